@@ -1,0 +1,30 @@
+"""`iterserve <command>`: each command lives with its layer and is imported only when used."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "generate": ("iterserve.entrypoints.generate", "offline generation on a prompt"),
+    "serve": ("iterserve.server.cli", "OpenAI-compatible HTTP server"),
+    "chat": ("iterserve.server.chat_cli", "interactive chat in the terminal"),
+    "bench": ("iterserve.bench.cli", "one workload through static and continuous batching and peers"),
+    "simulate": ("iterserve.sim.cli", "the real scheduler on a modelled GPU"),
+    "calibrate": ("iterserve.sim.calibrate", "measure this machine for the simulator's cpu-local preset"),
+    "tune": ("iterserve.sim.tune", "search engine settings for the best goodput under SLOs"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: iterserve <command> [options]\n\ncommands:")
+        for name, (_, doc) in COMMANDS.items():
+            print(f"  {name:<10} {doc}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from iterserve.engine.engine import Engine
+
+__all__ = ["Engine"]

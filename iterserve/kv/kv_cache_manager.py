@@ -1,0 +1,122 @@
+"""Per-request block lists on top of the BlockPool: allocation by token count, prefix-cache lookup.
+
+Torch-free. The scheduler asks `allocate_slots(request, n)` before scheduling n more tokens of a
+request; `None` means the pool cannot serve them now (the scheduler then preempts or waits).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from iterserve.kv.block_pool import Block, BlockPool
+from iterserve.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
+    """128-bit chained hash of a full block: equal hashes mean equal prefixes, not just equal blocks."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"")
+    h.update(array("q", token_ids).tobytes())
+    if salt:
+        h.update(salt.encode())
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 watermark: float = 0.0) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the block table handed to the executor
+        self.req_hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks, in order
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens found cached
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        """The longest sequence that can ever be admitted alone."""
+        return (self.num_blocks - self.watermark_blocks) * self.block_size
+
+    def blocks_of(self, request_id: str) -> list[Block]:
+        return self.req_blocks.get(request_id, [])
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.req_block_ids.setdefault(request_id, [])
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Cached blocks of the request's longest cached prefix, and the tokens they hold.
+
+        The last token is never served from the cache, so the step that computes it yields logits.
+        """
+        if not self.pool.enable_caching or request.num_computed_tokens > 0:
+            return [], 0
+        bs, tokens = self.block_size, request.token_ids
+        hits: list[Block] = []
+        parent = None
+        for i in range((request.num_tokens - 1) // bs):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt)
+            block = self.pool.lookup(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def can_admit(self, request: Request, num_tokens: int, computed: list[Block] = ()) -> bool:
+        """Whether `num_tokens` tokens of a new request fit, keeping the watermark free."""
+        reusable_free = sum(1 for b in computed if b.ref_cnt == 0)  # cached but sitting in the free queue
+        needed = cdiv(num_tokens, self.block_size) - len(computed)
+        return self.pool.num_free_blocks - reusable_free - needed >= self.watermark_blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed: list[Block] = ()) -> list[Block] | None:
+        """Blocks so that the request's first num_computed + len(computed)*bs + num_new tokens have slots."""
+        rid = request.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(computed)
+        reusable_free = sum(1 for b in computed if b.ref_cnt == 0)
+        if needed > self.pool.num_free_blocks - reusable_free:
+            return None
+        if computed or num_computed == 0:  # a first admission: count it for the hit rate
+            self.num_prefix_queries += request.num_tokens
+            self.num_prefix_hits += len(computed) * self.block_size
+        if computed:
+            self.pool.touch(list(computed))
+            blocks.extend(computed)
+        new = self.pool.allocate(max(needed, 0))
+        blocks.extend(new)
+        self.req_block_ids.setdefault(rid, []).extend(b.block_id for b in (*computed, *new))
+        return new
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly full, computed blocks so later requests can reuse them."""
+        if not self.pool.enable_caching:
+            return
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        bs = self.block_size
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], request.cache_salt))
+            self.pool.register(blocks[i], hashes[-1])
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
+        self.req_hashes.pop(request.request_id, None)
+        self.pool.free(blocks[::-1])

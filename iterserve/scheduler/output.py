@@ -1,0 +1,68 @@
+"""The plan of one step (scheduler -> executor) and what the executor returns. Plain data, no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from iterserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute K/V for `token_ids` at positions start_pos.. and,
+    if `sample`, sample its next token from the logits of the last one."""
+
+    request_id: str
+    token_ids: list[int]  # the new tokens of this step (a prompt chunk, or the one decode token)
+    start_pos: int  # == num_computed_tokens before the step; positions are start_pos + i
+    block_table: list[int]  # all blocks of the request, in order; covers start_pos + len(token_ids)
+    sample: bool  # the prompt is complete after this step, so a token is sampled
+    sampling_params: SamplingParams
+    output_len: int = 0  # tokens generated so far (seeded sampling offsets by it)
+    is_padding: bool = False  # static mode: a finished request computing its seat as padding
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+    def slot_mapping(self, block_size: int) -> list[int]:
+        """Cache slot (block_id * block_size + offset) of each new token."""
+        bt = self.block_table
+        return [bt[p // block_size] * block_size + p % block_size for p in range(self.start_pos, self.seq_len)]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_size: int = 16
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # left since the last step: executors drop their state
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), before the step
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), before the step
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device copies (copy-on-write)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_out and not self.swap_in and not self.finished_ids
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    top: list[tuple[int, float]]  # top-N (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class StepResult:
+    """sampled[i] is the token for plan.scheduled[i], or -1 where nothing was sampled."""
+
+    sampled: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    step_time: float = 0.0  # seconds the executor spent (real or modelled)

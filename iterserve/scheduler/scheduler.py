@@ -1,0 +1,245 @@
+"""Iteration-level scheduling: who computes how many tokens in the next step.
+
+The one rule (DESIGN.md): each scheduled request gets min(num_tokens - num_computed_tokens,
+budget left) tokens. Prompts, prompt chunks, resumed requests and decodes are the same case.
+Torch-free, so the simulator drives this very object.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+from iterserve.config import EngineConfig
+from iterserve.kv.kv_cache_manager import KVCacheManager, cdiv
+from iterserve.request import Request, RequestStatus
+from iterserve.scheduler.output import SchedulerOutput, ScheduledRequest, StepResult
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.watermark)
+        # A sequence may grow only as long as the pool can hold it alone, or it could never resume.
+        self.max_model_len = min(max_model_len, self.kv.max_tokens_per_request)
+        self.static = config.scheduling == "static"
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.padding: list[Request] = []  # static mode: finished requests still holding their seat
+        self.requests: dict[str, Request] = {}
+        self.finished_ids: list[str] = []  # since the last plan, for executors to drop state
+        self.num_preemptions = 0
+        self._arrivals = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; this engine's context holds at most "
+                             f"{self.max_model_len} (prompt plus at least one generated token)")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.arrival_seq = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Stop a request (aborted, stopped by a stop string, failed) and free what it holds."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = status
+        request.times.finished = self.clock()
+        if self.static and self.config.static_padding and status != RequestStatus.FINISHED_ABORTED \
+                and self.kv.blocks_of(request_id):
+            self.padding.append(request)  # keeps blocks and seat until the whole batch ends
+        else:
+            self.kv.free(request)
+        if self.static and not self.running:
+            self._end_static_batch()
+        self.finished_ids.append(request_id)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = SchedulerOutput(block_size=self.block_size, finished_ids=self.finished_ids)
+        self.finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        if self.static:
+            if not self.running:
+                self._end_static_batch()
+                self._admit_static_batch()
+            budget = self._schedule_running(plan, budget)
+            self._schedule_padding(plan, budget)
+            return plan
+        budget = self._schedule_running(plan, budget)
+        if not plan.preempted_ids:  # a step that had to preempt has no room to admit anyone
+            self._schedule_waiting(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, n) is None:
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                plan.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                plan.scheduled.append(self._scheduled(request, n))
+                budget -= n
+                i += 1
+                continue
+            break  # the request preempted itself: nothing after it fits either
+        return budget
+
+    def _schedule_waiting(self, plan: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed, num_cached = self.kv.get_computed_blocks(request)
+            # Admit only if the whole remaining prompt fits, not just its first chunk (no thrash).
+            if not self.kv.can_admit(request, request.num_tokens, computed):
+                break
+            n = min(request.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(request, n, computed) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            self._start_running(request)
+            plan.scheduled.append(self._scheduled(request, n))
+            budget -= n
+
+    def _admit_static_batch(self) -> None:
+        """Static batching: reserve prompt + max_tokens for each member up front; nobody joins later."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            reserved = self._static_reservation(request)
+            if not self.kv.can_admit(request, reserved):
+                break
+            self.kv.allocate_slots(request, reserved)
+            self.waiting.popleft()
+            self._start_running(request)
+
+    def _static_reservation(self, request: Request) -> int:
+        return min(request.num_prompt_tokens + request.sampling_params.max_tokens, self.max_model_len)
+
+    def _schedule_padding(self, plan: SchedulerOutput, budget: int) -> None:
+        """A padded static batcher still computes finished rows; charge the same work."""
+        if not self.config.static_padding:
+            return
+        for request in self.padding:
+            if budget <= 0:
+                return
+            capacity = len(self.kv.blocks_of(request.request_id)) * self.block_size
+            pos = min(request.num_computed_tokens, capacity - 1)
+            request.num_computed_tokens = pos + 1
+            plan.scheduled.append(ScheduledRequest(
+                request.request_id, [request.token_ids[-1]], pos, self.kv.block_table(request.request_id),
+                sample=True, sampling_params=request.sampling_params, is_padding=True))
+            budget -= 1
+
+    def _end_static_batch(self) -> None:
+        for request in self.padding:
+            self.kv.free(request)
+        self.padding.clear()
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = self.clock()
+        self.running.append(request)
+
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        """The lowest-priority, latest-arrived request not yet scheduled in this step."""
+        candidates = self.running[first_unscheduled:]
+        if self.config.scheduling_policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop its KV; it resumes from the front of the queue."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        request.times.preempted.append(self.clock())
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request.request_id, request.token_ids[start:start + n], start,
+            self.kv.block_table(request.request_id), sample=start + n == request.num_tokens,
+            sampling_params=request.sampling_params, output_len=request.num_output_tokens)
+
+    # ---- after the step ---------------------------------------------------------------------
+    def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Advance computed counts, append sampled tokens, stop finished requests.
+
+        Returns the requests that got a new token (finished ones included)."""
+        now = self.clock()
+        progressed = []
+        for scheduled, token in zip(plan.scheduled, result.sampled):
+            request = self.requests.get(scheduled.request_id)
+            if request is None or scheduled.is_padding or request.status != RequestStatus.RUNNING:
+                continue  # aborted during the step, or a padding row
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv.cache_full_blocks(request)
+            if not scheduled.sample:
+                continue
+            request.token_ids.append(token)
+            if request.times.first_token is None:
+                request.times.first_token = now
+            request.times.token_times.append(now)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            progressed.append(request)
+        return progressed
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- introspection ----------------------------------------------------------------------
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)

@@ -1,0 +1,39 @@
+"""A deterministic executor for scheduler and engine tests: no model, checks the plan it gets."""
+from __future__ import annotations
+
+from iterserve.scheduler.output import SchedulerOutput, StepResult
+
+
+class FakeExecutor:
+    """Next token = (last token * 31 + position) % vocab: a pure function of the sequence so far,
+    so outputs are identical however requests are batched, chunked or preempted."""
+
+    def __init__(self, num_kv_blocks: int = 64, max_model_len: int = 4096, vocab_size: int = 1000,
+                 eos_token_id: int | None = None, block_size: int = 16) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.num_host_blocks = 0
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.tokenizer = None
+        self.block_size = block_size
+        self.plans: list[SchedulerOutput] = []
+        # slot -> token id written there: tests read a request's context back through its block table
+        self.cache: dict[int, int] = {}
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        self.plans.append(plan)
+        sampled = []
+        for s in plan.scheduled:
+            slots = s.slot_mapping(plan.block_size)
+            assert len(set(slots)) == len(slots)
+            for slot, tok in zip(slots, s.token_ids):
+                assert 0 <= slot < self.num_kv_blocks * plan.block_size
+                self.cache[slot] = tok
+            last = s.token_ids[-1]
+            sampled.append((last * 31 + s.seq_len) % self.vocab_size if s.sample and not s.is_padding else -1)
+        return StepResult(sampled=sampled, step_time=0.0)
+
+    def read_context(self, block_table: list[int], num_tokens: int) -> list[int | None]:
+        bs = self.block_size
+        return [self.cache.get(block_table[p // bs] * bs + p % bs) for p in range(num_tokens)]
