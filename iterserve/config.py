@@ -35,8 +35,12 @@ class EngineConfig:
     static_padding: bool = True  # static mode: finished requests keep computing their seat
     scheduling_policy: str = "fcfs"  # fcfs | priority
     priority_preemption: bool = False
+    priority_aging_s: float = 10.0  # each this many seconds of waiting raise a request's priority by one
+    max_priority_preemptions: int = 3  # a request preempted this often is no longer preempted for priority
     preemption_mode: str = "recompute"  # recompute | swap | auto
     swap_space: int = 1 << 30  # bytes of host KV pool for swap preemption
+    swap_bandwidth: float = 10e9  # host<->device copy, bytes/s (auto preemption prices swap with it)
+    recompute_tokens_per_s: float = 2000.0  # prefill speed (auto preemption prices recompute with it)
     enable_prefix_caching: bool = True
     watermark: float = 0.01  # fraction of blocks kept free at admission
     max_waiting_requests: int | None = None

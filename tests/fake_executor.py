@@ -9,9 +9,10 @@ class FakeExecutor:
     so outputs are identical however requests are batched, chunked or preempted."""
 
     def __init__(self, num_kv_blocks: int = 64, max_model_len: int = 4096, vocab_size: int = 1000,
-                 eos_token_id: int | None = None, block_size: int = 16) -> None:
+                 eos_token_id: int | None = None, block_size: int = 16, num_host_blocks: int = 0) -> None:
         self.num_kv_blocks = num_kv_blocks
-        self.num_host_blocks = 0
+        self.num_host_blocks = num_host_blocks
+        self.bytes_per_block = 1000
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -20,9 +21,14 @@ class FakeExecutor:
         self.plans: list[SchedulerOutput] = []
         # slot -> token id written there: tests read a request's context back through its block table
         self.cache: dict[int, int] = {}
+        self.host_cache: dict[int, int] = {}
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         self.plans.append(plan)
+        assert not (plan.swap_out and plan.swap_in), "one step never swaps both ways"
+        self._copy(plan.swap_out, self.cache, self.host_cache)
+        self._copy(plan.swap_in, self.host_cache, self.cache)
+        self._copy(plan.copy_blocks, self.cache, self.cache)
         sampled = []
         for s in plan.scheduled:
             slots = s.slot_mapping(plan.block_size)
@@ -37,3 +43,12 @@ class FakeExecutor:
     def read_context(self, block_table: list[int], num_tokens: int) -> list[int | None]:
         bs = self.block_size
         return [self.cache.get(block_table[p // bs] * bs + p % bs) for p in range(num_tokens)]
+
+    def _copy(self, pairs: list[tuple[int, int]], src: dict[int, int], dst: dict[int, int]) -> None:
+        bs = self.block_size
+        moved = {d * bs + o: src.get(s * bs + o) for s, d in pairs for o in range(bs)}
+        for slot, tok in moved.items():
+            if tok is None:
+                dst.pop(slot, None)
+            else:
+                dst[slot] = tok

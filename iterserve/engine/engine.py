@@ -38,7 +38,9 @@ class Engine:
         self.tokenizer = getattr(executor, "tokenizer", None)
         self.eos_token_id = getattr(executor, "eos_token_id", None)
         self.vocab_size = getattr(executor, "vocab_size", None)
-        self.scheduler = Scheduler(self.config, executor.num_kv_blocks, executor.max_model_len, clock)
+        self.scheduler = Scheduler(self.config, executor.num_kv_blocks, executor.max_model_len, clock,
+                                   num_host_blocks=getattr(executor, "num_host_blocks", 0),
+                                   bytes_per_block=getattr(executor, "bytes_per_block", 0))
         self.states: dict[str, _TextState] = {}
         self.step_records: deque[StepRecord] = deque(maxlen=200_000)
         self.num_steps = 0

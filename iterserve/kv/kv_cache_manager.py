@@ -28,9 +28,12 @@ def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 watermark: float = 0.0) -> None:
+                 watermark: float = 0.0, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.host_pool = BlockPool(max(num_host_blocks, 1), enable_caching=False)
+        self.num_host_blocks = num_host_blocks
+        self.req_host_blocks: dict[str, list[Block]] = {}  # swapped-out requests' blocks, in order
         self.watermark_blocks = int(watermark * num_blocks)
         self.req_blocks: dict[str, list[Block]] = {}
         self.req_block_ids: dict[str, list[int]] = {}  # the block table handed to the executor
@@ -115,7 +118,38 @@ class KVCacheManager:
             hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], request.cache_salt))
             self.pool.register(blocks[i], hashes[-1])
 
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.blocks_of(request.request_id)) <= min(self.host_pool.num_free_blocks, self.num_host_blocks)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to the host pool; returns (device block, host block) copies."""
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid)
+        host = self.host_pool.allocate(len(blocks))
+        self.req_host_blocks[rid] = host
+        self.req_block_ids.pop(rid, None)
+        self.req_hashes.pop(rid, None)
+        self.pool.free(blocks[::-1])
+        return [(d.block_id, h.block_id) for d, h in zip(blocks, host)]
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        return self.pool.num_free_blocks - needed >= self.watermark_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request back; returns (host block, device block) copies."""
+        rid = request.request_id
+        host = self.req_host_blocks.pop(rid)
+        blocks = self.pool.allocate(len(host))
+        self.req_blocks[rid] = blocks
+        self.req_block_ids[rid] = [b.block_id for b in blocks]
+        self.host_pool.free(host[::-1])
+        return [(h.block_id, d.block_id) for h, d in zip(host, blocks)]
+
     def free(self, request: Request) -> None:
+        host = self.req_host_blocks.pop(request.request_id, None)
+        if host:
+            self.host_pool.free(host[::-1])
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_block_ids.pop(request.request_id, None)
         self.req_hashes.pop(request.request_id, None)

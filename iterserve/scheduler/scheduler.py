@@ -18,17 +18,20 @@ from iterserve.scheduler.output import SchedulerOutput, ScheduledRequest, StepRe
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, num_host_blocks: int = 0,
+                 bytes_per_block: int = 0) -> None:
         self.config = config
         self.clock = clock
         self.block_size = config.block_size
+        self.bytes_per_block = bytes_per_block
         self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.watermark)
+                                 config.watermark, num_host_blocks)
         # A sequence may grow only as long as the pool can hold it alone, or it could never resume.
         self.max_model_len = min(max_model_len, self.kv.max_tokens_per_request)
         self.static = config.scheduling == "static"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()  # swap-preempted, resumed before any waiting request
         self.padding: list[Request] = []  # static mode: finished requests still holding their seat
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[str] = []  # since the last plan, for executors to drop state
@@ -58,6 +61,8 @@ class Scheduler:
             return None
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.status = status
@@ -73,11 +78,11 @@ class Scheduler:
         return request
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.swapped)
 
     @property
     def num_running(self) -> int:
@@ -97,7 +102,9 @@ class Scheduler:
             return plan
         budget = self._schedule_running(plan, budget)
         if not plan.preempted_ids:  # a step that had to preempt has no room to admit anyone
-            self._schedule_waiting(plan, budget)
+            budget = self._schedule_swapped(plan, budget)
+            if not self.swapped:  # swapped requests resume before anyone new is admitted
+                self._schedule_waiting(plan)
         return plan
 
     def _schedule_running(self, plan: SchedulerOutput, budget: int) -> int:
@@ -107,8 +114,7 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(i)
-                self._preempt(victim)
-                plan.preempted_ids.append(victim.request_id)
+                self._preempt(victim, plan)
                 if victim is request:
                     break
             else:
@@ -119,21 +125,62 @@ class Scheduler:
             break  # the request preempted itself: nothing after it fits either
         return budget
 
-    def _schedule_waiting(self, plan: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_swapped(self, plan: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.can_swap_in(request, n):
+                break
+            self.swapped.popleft()
+            plan.swap_in.extend(self.kv.swap_in(request))
+            assert self.kv.allocate_slots(request, n) is not None
+            self._start_running(request)
+            plan.scheduled.append(self._scheduled(request, n))
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, plan: SchedulerOutput) -> None:
+        if self.config.scheduling_policy == "priority":
+            self._sort_waiting()
+        while self.waiting:
+            budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
+            if budget <= 0:
+                return
             request = self.waiting[0]
             computed, num_cached = self.kv.get_computed_blocks(request)
             # Admit only if the whole remaining prompt fits, not just its first chunk (no thrash).
-            if not self.kv.can_admit(request, request.num_tokens, computed):
-                break
+            if len(self.running) >= self.config.max_num_seqs or \
+                    not self.kv.can_admit(request, request.num_tokens, computed):
+                if self._preempt_for_priority(request, plan):
+                    continue
+                return
             n = min(request.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(request, n, computed) is None:
-                break
+                return
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
             self._start_running(request)
             plan.scheduled.append(self._scheduled(request, n))
-            budget -= n
+
+    def _sort_waiting(self) -> None:
+        """(priority, arrival) order; waiting ages a request's priority so nobody starves."""
+        now, aging = self.clock(), self.config.priority_aging_s
+        self.waiting = deque(sorted(
+            self.waiting, key=lambda r: (r.priority - int((now - r.times.arrival) / aging), r.arrival_seq)))
+
+    def _preempt_for_priority(self, request: Request, plan: SchedulerOutput) -> bool:
+        """Make room for `request` by preempting running work of strictly lower priority."""
+        if self.config.scheduling_policy != "priority" or not self.config.priority_preemption:
+            return False
+        victims = [r for r in self.running if r.priority > request.priority
+                   and r.num_preemptions < self.config.max_priority_preemptions]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: (r.priority, r.arrival_seq))
+        plan.scheduled = [s for s in plan.scheduled if s.request_id != victim.request_id]
+        self._preempt(victim, plan)
+        self._sort_waiting()
+        return True
 
     def _admit_static_batch(self) -> None:
         """Static batching: reserve prompt + max_tokens for each member up front; nobody joins later."""
@@ -182,16 +229,35 @@ class Scheduler:
             return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
         return candidates[-1]
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop its KV; it resumes from the front of the queue."""
+    def _preempt(self, request: Request, plan: SchedulerOutput) -> None:
+        """Swap its KV to the host pool, or drop it to be recomputed from the front of the queue."""
         self.running.remove(request)
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         request.times.preempted.append(self.clock())
         self.num_preemptions += 1
+        plan.preempted_ids.append(request.request_id)
+        if self._use_swap(request, plan):
+            plan.swap_out.extend(self.kv.swap_out(request))
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            return
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
+
+    def _use_swap(self, request: Request, plan: SchedulerOutput) -> bool:
+        mode = self.config.preemption_mode
+        # A host block freed by a swap-in this step must not be overwritten before it is read.
+        if mode == "recompute" or plan.swap_in or not self.kv.can_swap_out(request):
+            return False
+        if mode == "swap":
+            return True
+        # auto: copy out and back at the host-link bandwidth vs recomputing every cached token
+        num_blocks = len(self.kv.blocks_of(request.request_id))
+        swap_s = 2 * num_blocks * self.bytes_per_block / self.config.swap_bandwidth
+        recompute_s = request.num_computed_tokens / self.config.recompute_tokens_per_s
+        return swap_s < recompute_s
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens

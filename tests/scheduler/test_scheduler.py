@@ -78,3 +78,63 @@ def test_abort_frees_blocks():
     out = engine.abort_request(rid)
     assert out.finished and out.finish_reason == "abort"
     assert engine.scheduler.kv.pool.num_free_blocks == 8 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("mode", ["swap", "auto"])
+def test_swap_preemption_resumes_without_recompute(mode):
+    ex = FakeExecutor(num_kv_blocks=12, block_size=4, num_host_blocks=32)
+    engine = Engine(EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, preemption_mode=mode,
+                                 recompute_tokens_per_s=1.0), executor=ex)
+    prompts = {f"r{i}": [i + 1] * 10 for i in range(6)}
+    for rid, p in prompts.items():
+        engine.add_request(p, SamplingParams(max_tokens=14), request_id=rid)
+    done = run(engine)
+    assert any(p.swap_out for p in ex.plans) and any(p.swap_in for p in ex.plans)
+    # a swapped request never recomputes a token: total computed == prompt + outputs - 1 per request
+    computed = sum(s.num_new_tokens for p in ex.plans for s in p.scheduled)
+    assert computed == sum(len(p) + 14 - 1 for p in prompts.values())
+    assert all(done[r] == reference_output(p, 14) for r, p in prompts.items())
+    kv = engine.scheduler.kv
+    assert kv.pool.num_free_blocks == 12 and kv.host_pool.num_free_blocks == 32
+
+
+def test_swap_falls_back_to_recompute_when_host_pool_is_full():
+    ex = FakeExecutor(num_kv_blocks=12, block_size=4, num_host_blocks=1)
+    engine = Engine(EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, preemption_mode="swap"),
+                    executor=ex)
+    for i in range(6):
+        engine.add_request([i + 1] * 10, SamplingParams(max_tokens=14), request_id=f"r{i}")
+    run(engine)
+    assert engine.num_preemptions > 0 and not any(p.swap_out for p in ex.plans)
+
+
+def test_priority_preemption_serves_high_priority_first():
+    ex = FakeExecutor(num_kv_blocks=64, block_size=4)
+    engine = Engine(EngineConfig(block_size=4, max_num_seqs=2, scheduling_policy="priority",
+                                 priority_preemption=True), executor=ex)
+    for i in range(2):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=30), request_id=f"low{i}", priority=5)
+    engine.step()
+    engine.add_request([4, 5, 6], SamplingParams(max_tokens=3), request_id="high", priority=0)
+    engine.step()
+    assert "high" in [s.request_id for s in ex.plans[-1].scheduled]
+    assert ex.plans[-1].preempted_ids == ["low1"]
+    run(engine)
+
+
+def test_aging_lets_old_low_priority_requests_through():
+    now = [0.0]
+    ex = FakeExecutor(num_kv_blocks=64, block_size=4)
+    engine = Engine(EngineConfig(block_size=4, max_num_seqs=1, scheduling_policy="priority", priority_aging_s=1.0),
+                    executor=ex, clock=lambda: now[0])
+    engine.add_request([1], SamplingParams(max_tokens=2), request_id="busy", priority=0)
+    engine.add_request([1], SamplingParams(max_tokens=2), request_id="old-low", priority=3)
+    engine.step()
+    now[0] = 10.0  # old-low has waited 10 s: its priority is now 3 - 10 < 0
+    engine.add_request([2], SamplingParams(max_tokens=2), request_id="new-high", priority=0)
+    order = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                order.append(out.request_id)
+    assert order.index("old-low") < order.index("new-high")

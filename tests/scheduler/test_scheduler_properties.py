@@ -28,6 +28,10 @@ def check_blocks(engine: Engine) -> None:
     for block in kv.pool.blocks:
         assert block.ref_cnt == owners[block.block_id], f"block {block.block_id} ref count != owners"
         assert (block.block_id in kv.pool.free_queue) == (block.ref_cnt == 0)
+    host_owners = Counter(b.block_id for blocks in kv.req_host_blocks.values() for b in blocks)
+    for block in kv.host_pool.blocks:
+        assert block.ref_cnt == host_owners[block.block_id]
+    assert not (kv.req_blocks.keys() & kv.req_host_blocks.keys()), "a request is on device and host at once"
     for rid, ids in kv.req_block_ids.items():
         assert ids == [b.block_id for b in kv.req_blocks[rid]]
 
@@ -58,13 +62,20 @@ requests_st = st.lists(
        caching=st.booleans(),
        scheduling=st.sampled_from(["continuous", "static"]),
        static_padding=st.booleans(),
-       policy=st.sampled_from(["fcfs", "priority"]))
+       policy=st.sampled_from(["fcfs", "priority"]),
+       priority_preemption=st.booleans(),
+       preemption_mode=st.sampled_from(["recompute", "swap", "auto"]),
+       num_host_blocks=st.integers(0, 40))
 def test_scheduler_invariants(requests, num_blocks, block_size, max_num_seqs, budget, watermark,
-                              caching, scheduling, static_padding, policy):
+                              caching, scheduling, static_padding, policy, priority_preemption,
+                              preemption_mode, num_host_blocks):
     config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                           watermark=watermark, enable_prefix_caching=caching, scheduling=scheduling,
-                          static_padding=static_padding, scheduling_policy=policy)
-    executor = FakeExecutor(num_kv_blocks=num_blocks, vocab_size=VOCAB, block_size=block_size, max_model_len=200)
+                          static_padding=static_padding, scheduling_policy=policy,
+                          priority_preemption=priority_preemption, preemption_mode=preemption_mode,
+                          recompute_tokens_per_s=1.0)
+    executor = FakeExecutor(num_kv_blocks=num_blocks, vocab_size=VOCAB, block_size=block_size, max_model_len=200,
+                            num_host_blocks=num_host_blocks)
     engine = Engine(config, executor=executor)
     max_len = engine.scheduler.max_model_len
     shared = [7 + i for i in range(40)]
@@ -111,4 +122,5 @@ def test_scheduler_invariants(requests, num_blocks, block_size, max_num_seqs, bu
         assert tokens == expected[rid], f"{rid}: output depends on batching/chunking/preemption"
     kv = engine.scheduler.kv
     assert kv.pool.num_free_blocks == num_blocks, "all blocks are free at the end"
-    assert not kv.req_blocks and not engine.states
+    assert kv.host_pool.num_free_blocks == kv.host_pool.num_blocks, "all host blocks are free at the end"
+    assert not kv.req_blocks and not kv.req_host_blocks and not engine.states
