@@ -21,6 +21,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None
+    index: int = 0  # which of the request's n sequences (n > 1: request_id is "<parent>#<index>")
+    parent_id: str | None = None  # the id add_request returned
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,7 +5,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from iterserve.config import EngineConfig
@@ -37,8 +37,11 @@ class Engine:
         self.clock = clock
         self.tokenizer = getattr(executor, "tokenizer", None)
         self.eos_token_id = getattr(executor, "eos_token_id", None)
-        self.vocab_size = getattr(executor, "vocab_size", None)
-        self.scheduler = Scheduler(self.config, executor.num_kv_blocks, executor.max_model_len, clock,
+        self.vocab_size = getattr(executor, "vocab_size", None) or \
+            getattr(getattr(executor, "model_config", None), "vocab_size", None)
+        # config.num_kv_blocks may cap a shared executor's pool (tests, what-if runs)
+        num_blocks = min(executor.num_kv_blocks, self.config.num_kv_blocks or executor.num_kv_blocks)
+        self.scheduler = Scheduler(self.config, num_blocks, executor.max_model_len, clock,
                                    num_host_blocks=getattr(executor, "num_host_blocks", 0),
                                    bytes_per_block=getattr(executor, "bytes_per_block", 0))
         self.states: dict[str, _TextState] = {}
@@ -53,15 +56,30 @@ class Engine:
         params.validate()
         token_ids = self.encode(prompt)
         request_id = request_id or uuid.uuid4().hex
-        request = Request(request_id, token_ids, params,
-                          RequestTimes(arrival=self.clock() if arrival_time is None else arrival_time),
-                          eos_token_id=self.eos_token_id, priority=priority, cache_salt=cache_salt)
-        self.scheduler.add_request(request)  # raises ValueError before touching any state
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = Detokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
-        self.states[request_id] = _TextState(detokenizer)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        sequences = [Request(self.sequence_id(request_id, k), token_ids, self._sequence_params(params, k),
+                             RequestTimes(arrival=arrival), eos_token_id=self.eos_token_id, priority=priority,
+                             cache_salt=cache_salt, index=k, parent_id=request_id) for k in range(params.n)]
+        sequences[0].forks = sequences[1:]
+        self.scheduler.add_request(sequences[0])  # raises ValueError before touching any state
+        for seq in sequences:
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = Detokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+            self.states[seq.request_id] = _TextState(detokenizer)
         return request_id
+
+    @staticmethod
+    def sequence_id(request_id: str, index: int) -> str:
+        """Sequence k of a request with n > 1 is its own scheduler request; sequence 0 keeps the id."""
+        return request_id if index == 0 else f"{request_id}#{index}"
+
+    @staticmethod
+    def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:
+        if params.n == 1:
+            return params
+        seed = None if params.seed is None else params.seed + index  # siblings must not draw alike
+        return replace(params, n=1, seed=seed)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -80,7 +98,15 @@ class Engine:
         return token_ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        return self._finish(request_id, RequestStatus.FINISHED_ABORTED)
+        """Abort a request (all n of its sequences); returns sequence 0's final output."""
+        first = self._finish(request_id, RequestStatus.FINISHED_ABORTED)
+        k = 1
+        while self.sequence_id(request_id, k) in self.states:
+            sid = self.sequence_id(request_id, k)
+            if self._finish(sid, RequestStatus.FINISHED_ABORTED) is None:
+                self.states.pop(sid, None)  # never forked: nothing to free
+            k += 1
+        return first
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -100,8 +126,11 @@ class Engine:
         except Exception as exc:  # fail this step's requests, keep the engine alive
             logger.exception("model execution failed; failing the %d requests of this step",
                              len(plan.scheduled))
-            return [o for s in plan.scheduled if not s.is_padding
-                    for o in [self._finish(s.request_id, RequestStatus.FINISHED_ERROR, str(exc))] if o]
+            outputs = [o for s in plan.scheduled if not s.is_padding
+                       for o in [self._finish(s.request_id, RequestStatus.FINISHED_ERROR, str(exc))] if o]
+            for o in outputs:
+                self._drop_unforked(o.request_id)
+            return outputs
         logprobs = self._logprobs_by_request(plan, result)
         outputs = []
         for request in self.scheduler.update(plan, result):
@@ -133,7 +162,15 @@ class Engine:
         return RequestOutput(
             request.request_id, request.prompt_token_ids, outputs, text, new_tokens, new_text,
             finished, request.status.value if finished else None, request.times,
-            state.logprobs, request.stop_reason, error)
+            state.logprobs, request.stop_reason, error, request.index, request.parent_id)
+
+    def _drop_unforked(self, request_id: str) -> None:
+        """Sibling sequences that never forked (their parent failed first) have nothing to report."""
+        k = 1
+        while (sid := self.sequence_id(request_id, k)) in self.states:
+            if sid not in self.scheduler.requests:
+                self.states.pop(sid, None)
+            k += 1
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> RequestOutput | None:
         request = self.scheduler.finish_request(request_id, status)

@@ -46,6 +46,13 @@ class Scheduler:
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; this engine's context holds at most "
                              f"{self.max_model_len} (prompt plus at least one generated token)")
+        if request.forks and self.static:
+            raise ValueError("n > 1 needs continuous scheduling (static mode is a single-sequence baseline)")
+        if request.forks and cdiv(n, self.block_size) + len(request.forks) > \
+                self.kv.num_blocks - self.kv.watermark_blocks:
+            raise ValueError(f"{len(request.forks) + 1} sequences of a {n}-token prompt cannot fit the KV cache")
+        if len(request.forks) >= self.config.max_num_seqs:
+            raise ValueError(f"n={len(request.forks) + 1} exceeds max_num_seqs={self.config.max_num_seqs}")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_seq = self._arrivals
@@ -66,6 +73,7 @@ class Scheduler:
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.status = status
+        request.forks.clear()  # children not forked yet never start
         request.times.finished = self.clock()
         if self.static and self.config.static_padding and status != RequestStatus.FINISHED_ABORTED \
                 and self.kv.blocks_of(request_id):
@@ -111,7 +119,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.forks and request.num_computed_tokens >= request.num_prompt_tokens - 1:
+                self._fork(request, plan)
+                while request.forks and (victim := self._fork_victim(request, i)) is not None:
+                    self._preempt(victim, plan)  # the siblings need blocks to copy-on-write into
+                    self._fork(request, plan)
+            n = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if n == 0:  # a parent waiting for seats to fork into
+                i += 1
+                continue
             while self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(i)
                 self._preempt(victim, plan)
@@ -126,17 +142,19 @@ class Scheduler:
         return budget
 
     def _schedule_swapped(self, plan: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and \
+                self._seats_used() + 1 + len(self.swapped[0].forks) <= self.config.max_num_seqs:
             request = self.swapped[0]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if not self.kv.can_swap_in(request, n):
                 break
             self.swapped.popleft()
             plan.swap_in.extend(self.kv.swap_in(request))
             assert self.kv.allocate_slots(request, n) is not None
             self._start_running(request)
-            plan.scheduled.append(self._scheduled(request, n))
-            budget -= n
+            if n:
+                plan.scheduled.append(self._scheduled(request, n))
+                budget -= n
         return budget
 
     def _schedule_waiting(self, plan: SchedulerOutput) -> None:
@@ -149,18 +167,52 @@ class Scheduler:
             request = self.waiting[0]
             computed, num_cached = self.kv.get_computed_blocks(request)
             # Admit only if the whole remaining prompt fits, not just its first chunk (no thrash).
-            if len(self.running) >= self.config.max_num_seqs or \
+            if self._seats_used() + 1 + len(request.forks) > self.config.max_num_seqs or \
                     not self.kv.can_admit(request, request.num_tokens, computed):
                 if self._preempt_for_priority(request, plan):
                     continue
                 return
-            n = min(request.num_tokens - num_cached, budget)
+            n = self._num_new_tokens(request, num_cached, budget)
             if self.kv.allocate_slots(request, n, computed) is None:
                 return
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
             self._start_running(request)
-            plan.scheduled.append(self._scheduled(request, n))
+            if n:
+                plan.scheduled.append(self._scheduled(request, n))
+
+    @staticmethod
+    def _num_new_tokens(request: Request, num_computed: int, budget: int) -> int:
+        """The one rule; a parent of n > 1 sequences stops before its last prompt token to fork."""
+        end = request.num_prompt_tokens - 1 if request.forks else request.num_tokens
+        return max(0, min(end - num_computed, budget))
+
+    def _fork_victim(self, parent: Request, index: int) -> Request | None:
+        """Not yet scheduled this step, and not one of the parent's own sequences."""
+        candidates = [r for r in self.running[index + 1:] if r.parent_id != parent.request_id]
+        if not candidates:
+            return None
+        if self.config.scheduling_policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
+        return candidates[-1]
+
+    def _seats_used(self) -> int:
+        """Running sequences plus the siblings that running parents will fork (their seats are held)."""
+        return len(self.running) + sum(len(r.forks) for r in self.running)
+
+    def _fork(self, parent: Request, plan: SchedulerOutput) -> None:
+        """Start the parent's sibling sequences on its computed prompt blocks (seats are held for them)."""
+        while parent.forks and self.kv.pool.num_free_blocks > self.kv.watermark_blocks:
+            child = parent.forks.pop(0)
+            child.num_computed_tokens = parent.num_computed_tokens
+            copy = self.kv.fork(parent, child)
+            if copy is not None:
+                plan.copy_blocks.append(copy)
+            self.requests[child.request_id] = child
+            child.arrival_seq = parent.arrival_seq
+            self._start_running(child)
+            self.running.remove(child)
+            self.running.insert(self.running.index(parent) + 1, child)
 
     def _sort_waiting(self) -> None:
         """(priority, arrival) order; waiting ages a request's priority so nobody starves."""
@@ -248,8 +300,9 @@ class Scheduler:
 
     def _use_swap(self, request: Request, plan: SchedulerOutput) -> bool:
         mode = self.config.preemption_mode
-        # A host block freed by a swap-in this step must not be overwritten before it is read.
-        if mode == "recompute" or plan.swap_in or not self.kv.can_swap_out(request):
+        # Executors copy in the order swap-out, swap-in, copy-on-write: a host block freed by a
+        # swap-in, or a block a fork is about to fill, must not be swapped out in the same step.
+        if mode == "recompute" or plan.swap_in or plan.copy_blocks or not self.kv.can_swap_out(request):
             return False
         if mode == "swap":
             return True

@@ -138,3 +138,31 @@ def test_aging_lets_old_low_priority_requests_through():
             if out.finished:
                 order.append(out.request_id)
     assert order.index("old-low") < order.index("new-high")
+
+
+def test_parallel_sampling_shares_prompt_blocks_and_copies_the_partial_one():
+    ex = FakeExecutor(num_kv_blocks=32, block_size=4)
+    engine = Engine(EngineConfig(block_size=4, max_num_seqs=8), executor=ex)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + a partial one at the fork point (9 computed)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=5, n=3), request_id="p")
+    engine.step()  # parent computes 9 prompt tokens
+    engine.step()  # fork: siblings share 2 full blocks, each copies the partial third
+    tables = {r.request_id: engine.scheduler.kv.block_table(r.request_id) for r in engine.scheduler.running}
+    assert set(tables) == {"p", "p#1", "p#2"}
+    assert tables["p"][:2] == tables["p#1"][:2] == tables["p#2"][:2]
+    assert len({t[2] for t in tables.values()}) == 3
+    assert [c[0] for c in ex.plans[-1].copy_blocks] == [tables["p"][2]] * 2
+    assert engine.scheduler.kv.pool.blocks[tables["p"][0]].ref_cnt == 3
+    done = run(engine)
+    assert set(done) == {"p", "p#1", "p#2"} and all(len(t) == 5 for t in done.values())
+    assert rid == "p" and engine.scheduler.kv.pool.num_free_blocks == 32
+
+
+def test_abort_of_a_parallel_request_aborts_every_sequence():
+    engine = Engine(EngineConfig(block_size=4), executor=FakeExecutor(num_kv_blocks=32, block_size=4))
+    engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=50, n=4), request_id="p")
+    engine.step()
+    engine.step()
+    engine.abort_request("p")
+    assert not engine.has_unfinished() and not engine.states
+    assert engine.scheduler.kv.pool.num_free_blocks == 32

@@ -48,7 +48,8 @@ requests_st = st.lists(
     st.tuples(st.integers(0, 30),  # arrival step
               st.integers(1, 70),  # prompt length
               st.integers(1, 24),  # max_tokens
-              st.sampled_from(["shared", "own"])),  # prompt starts with a shared prefix or not
+              st.sampled_from(["shared", "own"]),  # prompt starts with a shared prefix or not
+              st.sampled_from([1, 1, 1, 2, 3])),  # n parallel sequences
     min_size=1, max_size=14)
 
 
@@ -86,17 +87,21 @@ def test_scheduler_invariants(requests, num_blocks, block_size, max_num_seqs, bu
     batch: set[str] = set()
     while pending or engine.has_unfinished():
         while pending and pending[0][1][0] <= step:
-            i, (_, plen, max_tokens, kind) = pending.pop(0)
+            i, (_, plen, max_tokens, kind, n) = pending.pop(0)
             prompt = (shared + [500 + i] * plen)[:plen] if kind == "shared" else [(i * 97 + j) % VOCAB for j in range(plen)]
             rid = f"r{i}"
             try:
-                engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0), request_id=rid,
-                                   priority=i % 3)
+                engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, n=n),
+                                   request_id=rid, priority=i % 3)
             except ValueError:
-                assert plen >= max_len, "only a prompt that can never fit may be rejected"
+                usable = num_blocks - int(watermark * num_blocks)
+                assert plen >= max_len or n > max_num_seqs or (n > 1 and scheduling == "static") or \
+                    (n > 1 and -(-plen // block_size) + n - 1 > usable), "only a request that can never fit is rejected"
                 continue
-            expected[rid] = reference_output(prompt, min(max_tokens, max_len - plen))
-        running_before = {r.request_id for r in engine.scheduler.running}
+            for k in range(n):
+                expected[engine.sequence_id(rid, k)] = reference_output(prompt, min(max_tokens, max_len - plen))
+        # sequences of one request (n > 1) fork mid-batch by design: count them as their parent
+        running_before = {r.request_id.split("#")[0] for r in engine.scheduler.running}
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.token_ids
@@ -108,7 +113,7 @@ def test_scheduler_invariants(requests, num_blocks, block_size, max_num_seqs, bu
             assert len({s.request_id for s in plan.scheduled}) == len(plan.scheduled)
         assert len(engine.scheduler.running) + len(engine.scheduler.padding) <= max_num_seqs
         if scheduling == "static":
-            running_now = {r.request_id for r in engine.scheduler.running}
+            running_now = {r.request_id.split("#")[0] for r in engine.scheduler.running}
             joined = running_now - running_before
             if joined:  # a new batch may start only when the previous one has wholly finished
                 assert not running_before and not (batch & running_now)
