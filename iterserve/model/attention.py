@@ -1,0 +1,117 @@
+"""Paged attention in plain torch: the CPU path, and the reference for any fused kernel.
+
+Per layer: write this step's K/V into the cache at slot_mapping, then attend. The batch is split
+once per step (AttentionPlan) into
+  - decode rows (one new token): gathered into one padded [B, L] context and computed in a single
+    batched, masked matmul — no Python loop over requests per layer;
+  - prompt rows (a fresh prompt, a chunk, a recompute): one SDPA call per request. A fresh prompt
+    attends to its own new K/V (is_causal); a later chunk reads its context from the cache with an
+    explicit bottom-right causal mask (is_causal would align top-left, wrong when q_len < kv_len).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from iterserve.model.attention_metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class PromptSeq:
+    rows: slice  # its rows of the flat batch
+    seq_len: int
+    fresh: bool  # start_pos == 0: no cached context, attend to the new K/V only
+    block_table: torch.Tensor  # [num_blocks] covering seq_len
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, for chunks only
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """The per-step, per-layer-invariant part of attention: built once, used by every layer."""
+    block_size: int
+    slot_mapping: torch.Tensor
+    decode_rows: torch.Tensor | None  # [Bd] rows of the flat batch that are decodes
+    decode_all: bool  # every row is a decode, in order: skip the index_select/index_copy
+    decode_blocks: torch.Tensor | None  # [Bd, nb]
+    decode_bias: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] 0 / -inf, in the compute dtype
+    prompts: list[PromptSeq]
+
+
+def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype) -> AttentionPlan:
+    starts = md.query_start_loc.tolist() if md.max_query_len > 1 else range(md.num_seqs + 1)
+    dec = [b for b, q in enumerate(md.query_lens_list) if q == 1]
+    decode_rows = decode_blocks = decode_bias = None
+    if dec:
+        decode_all = len(dec) == md.num_seqs
+        idx = None if decode_all else torch.tensor(dec, device=md.seq_lens.device)
+        seq_lens = md.seq_lens if decode_all else md.seq_lens[idx]
+        max_len = max(md.seq_lens_list[b] for b in dec)
+        nb = -(-max_len // block_size)
+        decode_blocks = (md.block_tables if decode_all else md.block_tables[idx])[:, :nb].long()
+        pos = torch.arange(nb * block_size, device=seq_lens.device)
+        bias = torch.zeros((len(dec), nb * block_size), dtype=dtype, device=seq_lens.device)
+        bias.masked_fill_(pos[None, :] >= seq_lens[:, None], float("-inf"))
+        decode_bias = bias[:, None, None, :]
+        decode_rows = None if decode_all else torch.tensor([starts[b] for b in dec], device=md.seq_lens.device)
+    else:
+        decode_all = False
+    prompts = []
+    for b, q_len in enumerate(md.query_lens_list):
+        if q_len == 1:
+            continue
+        s, seq_len = starts[b], md.seq_lens_list[b]
+        fresh = seq_len == q_len
+        mask = None
+        if not fresh:  # new token i sits at seq_len - q_len + i and sees positions <= that
+            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=md.seq_lens.device).tril(seq_len - q_len)
+        prompts.append(PromptSeq(slice(s, s + q_len), seq_len, fresh,
+                                 md.block_tables[b, : -(-seq_len // block_size)].long(), mask))
+    return AttentionPlan(block_size, md.slot_mapping, decode_rows, decode_all, decode_blocks, decode_bias, prompts)
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """layer_cache [2, num_blocks, block_size, Hkv, D]; k, v [T, Hkv, D]; in place."""
+    _, nblk, bs, hkv, d = layer_cache.shape
+    layer_cache[0].view(nblk * bs, hkv, d).index_copy_(0, slot_mapping, k)
+    layer_cache[1].view(nblk * bs, hkv, d).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+                    plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] (this step's, rope applied) -> out [T, H, D]."""
+    write_kv(layer_cache, k, v, plan.slot_mapping)
+    if plan.decode_all:
+        return _decode(q, layer_cache, plan, scale)
+    out = torch.empty_like(q)
+    if plan.decode_blocks is not None:
+        out.index_copy_(0, plan.decode_rows, _decode(q.index_select(0, plan.decode_rows), layer_cache, plan, scale))
+    for p in plan.prompts:
+        out[p.rows] = _prompt(q[p.rows], k[p.rows], v[p.rows], layer_cache, p, scale)
+    return out
+
+
+def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """One query per sequence: q [B, H, D] against the gathered context [B, L, Hkv, D]."""
+    b, h, d = q.shape
+    hkv = layer_cache.shape[3]
+    g = h // hkv
+    ctx = layer_cache[:, plan.decode_blocks]  # [2, B, nb, bs, Hkv, D]: one gather for K and V
+    ctx = ctx.view(2, b, -1, hkv, d).permute(0, 1, 3, 2, 4)  # [2, B, Hkv, L, D]
+    qg = q.view(b, hkv, g, d)  # query heads sharing one kv head become rows of one matmul
+    # measured: per-kv-head bmm over strided views is slower here (bmm copies them anyway)
+    scores = torch.matmul(qg, ctx[0].transpose(-1, -2)).mul_(scale).add_(plan.decode_bias)  # [B, Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, ctx[1]).view(b, h, d)
+
+
+def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
+            p: PromptSeq, scale: float) -> torch.Tensor:
+    if not p.fresh:  # context = cached tokens (this step's were just written) read through the block table
+        hkv, d = layer_cache.shape[3:]
+        k = layer_cache[0, p.block_table].view(-1, hkv, d)[: p.seq_len]
+        v = layer_cache[1, p.block_table].view(-1, hkv, d)[: p.seq_len]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=p.mask, is_causal=p.fresh, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,0 +1,125 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral; Qwen2 via the q/k/v bias switch) on a flat batch.
+
+Every op except attention runs once over all T scheduled tokens of the step. Plain tensors, no
+nn.Module: there is nothing to train, and the per-module call overhead matters at 30 layers x
+small batches. Q/K/V are one matmul and gate/up another (one weight read, one kernel launch each).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from iterserve.model.attention import build_plan, paged_attention
+from iterserve.model.attention_metadata import AttentionMetadata
+from iterserve.model.loader import ModelConfig
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse frequencies, with llama3 / linear scaling as transformers computes them."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        inv = inv / sc["factor"]
+    elif kind == "llama3":
+        inv = _llama3_scale(inv, sc)
+    if rope_freqs is not None:  # GGUF stores llama3 scaling as per-frequency divisors
+        inv = inv / rope_freqs.to(torch.float64)
+    return inv.float()
+
+
+def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
+    factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old_len = sc.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(is_mid, mid, scaled)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], block_size: int,
+                 max_positions: int | None = None):
+        self.cfg, self.block_size = cfg, block_size
+        w = weights
+        self.dtype, self.device = w["model.embed_tokens.weight"].dtype, w["model.embed_tokens.weight"].device
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
+        self.norm = w["model.norm.weight"]
+        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        n = max_positions or cfg.max_position_embeddings
+        freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(cfg, w.get("rope_freqs")))
+        emb = torch.cat([freqs, freqs], dim=-1)  # rotate-half layout: dim i pairs with i + D/2
+        self.cos = emb.cos().to(self.device, self.dtype)
+        self.sin = emb.sin().to(self.device, self.dtype)
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        bias = None
+        if self.cfg.attention_bias:
+            bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+        return LayerWeights(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).contiguous(),
+            qkv_bias=bias, o=w[a + "o_proj.weight"].contiguous(),
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up=torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]).contiguous(),
+            down=w[m + "down_proj.weight"].contiguous())
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T]; kv_cache [L, 2, blocks, block_size, Hkv, D] -> float32 logits [S, vocab]."""
+        plan = build_plan(attn_metadata, self.block_size, self.dtype)
+        cos, sin = self.cos[positions], self.sin[positions]
+        x = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = self._layer_forward(x, layer, kv_cache[i], plan, cos, sin)
+        h = self._rms_norm(x.index_select(0, logits_indices), self.norm)
+        return F.linear(h, self.lm_head).float()
+
+    __call__ = forward
+
+    def _layer_forward(self, x, layer: LayerWeights, layer_cache, plan, cos, sin) -> torch.Tensor:
+        t, cfg = x.shape[0], self.cfg
+        qkv = F.linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim)
+        qk = _rope(qk, cos, sin)  # q and k heads rotated in one pass
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
+        attn = paged_attention(q, k, v, layer_cache, plan, self.scale)
+        x = x + F.linear(attn.reshape(t, self.q_size), layer.o)
+        gate, up = F.linear(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' order: normalize in float32, cast back, then scale by the weight
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
