@@ -1,0 +1,142 @@
+"""Output tokens/s of one workload offline (LLM.generate, in process) and through `iterserve serve`.
+
+The server runs in a subprocess with the same engine flags, and this process drives it with the
+official openai client at the given concurrency, so client work does not share the server's GIL.
+Every request generates exactly --max-tokens tokens (ignore_eos), so both paths do the same work.
+
+    python benchmarks/http_vs_offline.py --num-prompts 64 --concurrency 32 --max-tokens 64
+    (any engine flag after it is passed to both, e.g. --device cuda --max-num-seqs 32)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+TOPICS = ["the ocean", "a small town", "mathematics", "the history of bread", "winter", "robots",
+          "a lighthouse keeper", "the moon", "jazz", "an old library", "mountains", "a train journey",
+          "bees", "the first computer", "a quiet garden", "volcanoes"]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i}):" for i in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_offline(args, engine_argv: list[str]) -> float:
+    from iterserve.entrypoints.args import add_engine_args, config_from_args
+    from iterserve.llm import LLM
+    from iterserve.sampling_params import SamplingParams
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    config = config_from_args(p.parse_args(engine_argv))
+    llm = LLM(**{name: getattr(config, name) for name in config.field_names()})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts(2), params, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts(args.num_prompts), params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens == args.num_prompts * args.max_tokens
+    return tokens / elapsed
+
+
+async def drive_server(url: str, args) -> tuple[float, float]:
+    import httpx
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=3600) as client:
+        sem = asyncio.Semaphore(args.concurrency)
+
+        async def one(prompt: str) -> int:
+            async with sem:
+                stream = await client.completions.create(
+                    model="bench", prompt=prompt, max_tokens=args.max_tokens, temperature=0, stream=True,
+                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                usage = None
+                async for chunk in stream:
+                    usage = chunk.usage or usage
+                return usage.completion_tokens
+
+        await asyncio.gather(*(one(p) for p in prompts(2)))  # warm-up
+        # The event loop's responsiveness under load: /health latency while the run is going.
+        health: list[float] = []
+
+        async def probe(done: asyncio.Event) -> None:
+            async with httpx.AsyncClient() as http:
+                while not done.is_set():
+                    t = time.perf_counter()
+                    await http.get(url + "/health")
+                    health.append(time.perf_counter() - t)
+                    await asyncio.sleep(0.2)
+
+        done = asyncio.Event()
+        prober = asyncio.create_task(probe(done))
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts(args.num_prompts)))
+        elapsed = time.perf_counter() - t0
+        done.set()
+        await prober
+    assert sum(counts) == args.num_prompts * args.max_tokens, counts
+    return sum(counts) / elapsed, max(health, default=0.0)
+
+
+def run_http(args, engine_argv: list[str]) -> tuple[float, float]:
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--port", str(port),
+           "--served-model-name", "bench", *engine_argv]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL if not args.verbose else None,
+                              stderr=subprocess.DEVNULL if not args.verbose else None)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited with {server.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not come up in 600 s")
+            time.sleep(0.5)
+        return asyncio.run(drive_server(url, args))
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--verbose", action="store_true", help="show the server's log")
+    args, engine_argv = parser.parse_known_args()
+    if "--max-num-seqs" not in engine_argv:  # the same batch size both ways: apples to apples
+        engine_argv += ["--max-num-seqs", str(args.concurrency)]
+    print("command:", " ".join([os.path.basename(sys.executable), *sys.argv]))
+    offline = run_offline(args, engine_argv)
+    print(f"offline (LLM.generate):        {offline:8.1f} output tokens/s")
+    http, worst_health = run_http(args, engine_argv)
+    print(f"HTTP (serve, concurrency {args.concurrency:>3}): {http:8.1f} output tokens/s")
+    print(f"HTTP / offline: {100 * http / offline:.1f}%  (target >= 90%); "
+          f"worst /health latency under load: {1000 * worst_health:.0f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine: FastAPI routes, SSE streams, errors.
+
+Every error leaves as an OpenAI error object; FastAPI's 422 for a malformed body becomes a 400.
+A client that goes away (mid-stream or while waiting for a non-streamed answer) has its
+request aborted, which frees its KV blocks at the next step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import iterserve
+from iterserve.outputs import RequestOutput
+from iterserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from iterserve.server.metrics import ServerMetrics
+from iterserve.server.protocol import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
+    CompletionResponse, DeltaMessage, ErrorResponse, ModelCard, ModelList, ResponseMessage, TopLogprob,
+    Usage,
+)
+
+logger = logging.getLogger("iterserve.server")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type, param, headers
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ErrorResponse.of(message, type, status, param), status_code=status, headers=headers)
+
+
+def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_request_bytes: int = 1 << 20, metrics: ServerMetrics | None = None) -> FastAPI:
+    metrics = metrics or ServerMetrics(served_model_name)
+    async_engine.on_step = metrics.on_step
+    engine = async_engine.engine
+    tokenizer = engine.tokenizer
+    max_model_len = engine.scheduler.max_model_len
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(title="iterserve", version=iterserve.__version__, lifespan=lifespan)
+    app.state.async_engine, app.state.metrics = async_engine, metrics
+
+    # ---- errors -------------------------------------------------------------------------------
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError):
+        return error_response(e.status, e.message, e.type, e.param, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: "
+                            f"{err.get('msg')}" for err in errors[:5])
+        return error_response(400, message or "invalid request body", "invalid_request_error",
+                              ".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), kind, headers=getattr(e, "headers", None))
+
+    # ---- info routes ------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if async_engine.dead is not None:
+            return error_response(503, f"the engine loop has died: {async_engine.dead!r}", "engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": iterserve.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)])
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- generation ---------------------------------------------------------------------------
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
+                           "not_found_error", "model")
+
+    async def start(prompt: str | list[int], body, params) -> RequestStream:
+        try:
+            return await async_engine.add_request(prompt, params, request_id=_new_id(),
+                                                  priority=body.priority, cache_salt=body.cache_salt)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        except QueueFullError as e:
+            raise ApiError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from e
+        except EngineDeadError as e:
+            raise ApiError(503, str(e), "engine_dead") from e
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        try:
+            prompt = body.single_prompt()
+            params = body.sampling_params(16, body.logprobs)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        stream = await start(prompt, body, params)
+        created, model = int(time.time()), served_model_name
+        if body.stream:
+            return _SSEResponse(stream, _completion_chunks(stream, created, model, body.include_usage, tokenizer))
+        out = await _collect(stream, request)
+        return CompletionResponse(
+            id=stream.request_id, created=created, model=model, usage=_usage(out),
+            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
+                                      logprobs=_completion_logprobs(out.logprobs, out.token_ids, tokenizer)
+                                      if params.logprobs is not None else None)])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer, so no chat template")
+        from iterserve.llm import apply_chat_template
+        try:
+            prompt = apply_chat_template(tokenizer, [m.as_template_message() for m in body.messages])
+            # Chat's default: generate until the context is full (max(1): the engine reports the
+            # prompt as too long, rather than max_tokens as invalid).
+            params = body.sampling_params(max(1, max_model_len - len(prompt)), body.num_logprobs())
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        stream = await start(prompt, body, params)
+        created, model = int(time.time()), served_model_name
+        if body.stream:
+            return _SSEResponse(stream, _chat_chunks(stream, created, model, body.include_usage, tokenizer))
+        out = await _collect(stream, request)
+        return ChatCompletionResponse(
+            id=stream.request_id, created=created, model=model, usage=_usage(out),
+            choices=[ChatChoice(message=ResponseMessage(content=out.text), finish_reason=out.finish_reason,
+                                logprobs=_chat_logprobs(out.logprobs, out.token_ids, tokenizer)
+                                if params.logprobs is not None else None)])
+
+    app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes)
+    return app
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+def _new_id() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+def _usage(out: RequestOutput) -> Usage:
+    return Usage.of(out.num_prompt_tokens, len(out.token_ids))
+
+
+def _check_error(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        raise ApiError(500, f"generation failed: {out.error}", "internal_error")
+
+
+async def _collect(stream: RequestStream, request: Request) -> RequestOutput:
+    """The final output, or an abort if the client disconnects first (no one is waiting for it)."""
+    async def last() -> RequestOutput:
+        final = None
+        async for out in stream:
+            final = out
+        return final
+
+    task = asyncio.ensure_future(last())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()  # the stream's finally aborts the request
+        stream.engine.abort(stream.request_id)
+        raise ApiError(499, "client disconnected", "client_closed_request")
+    try:
+        out = task.result()
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), "engine_dead") from e
+    _check_error(out)
+    return out
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _SSEResponse(StreamingResponse):
+    """An SSE stream that aborts its request however the response ends (disconnect included:
+    Starlette then cancels the send loop and never closes our generator)."""
+
+    def __init__(self, stream: RequestStream, chunks: AsyncIterator[str]) -> None:
+        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.stream.finished:
+                self.stream.finished = True
+                self.stream.engine.abort(self.stream.request_id)
+
+
+def _sse(payload) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def _sse_error(e: Exception, status: int, type: str) -> str:
+    return f"data: {json.dumps(ErrorResponse.of(str(e), type, status))}\n\n"
+
+
+_SENTINEL = "\x00iterserve-text\x00"
+
+
+class _TextFrame:
+    """The SSE frame of a plain text delta, rendered once with a placeholder: the per-token hot
+    path then costs one json.dumps instead of building and serializing a pydantic model (the
+    event loop shares the GIL with the engine thread, so this is throughput)."""
+
+    def __init__(self, template) -> None:
+        frame = _sse(template)
+        self.head, found, self.tail = frame.partition(json.dumps(_SENTINEL))
+        assert found, frame
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
+
+
+async def _stream_outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    async for out in stream:
+        _check_error(out)
+        yield out
+
+
+async def _completion_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
+                             tokenizer) -> AsyncIterator[str]:
+    text_frame = _TextFrame(CompletionResponse(id=stream.request_id, created=created, model=model,
+                                               choices=[CompletionChoice(text=_SENTINEL)]))
+    sent_lp = 0
+    final = None
+    try:
+        async for out in _stream_outputs(stream):
+            final = out
+            lp = None
+            if out.logprobs and len(out.logprobs) > sent_lp:
+                lp = _completion_logprobs(out.logprobs[sent_lp:], out.token_ids[sent_lp:], tokenizer)
+                sent_lp = len(out.logprobs)
+            if out.new_text and lp is None and not out.finished:
+                yield text_frame(out.new_text)
+            elif out.new_text or lp or out.finished:
+                yield _sse(CompletionResponse(id=stream.request_id, created=created, model=model, choices=[
+                    CompletionChoice(text=out.new_text, logprobs=lp,
+                                     finish_reason=out.finish_reason if out.finished else None)]))
+    except ApiError as e:
+        yield _sse_error(e, e.status, e.type)
+    except EngineDeadError as e:
+        yield _sse_error(e, 503, "engine_dead")
+    if include_usage and final is not None:
+        yield _sse(CompletionResponse(id=stream.request_id, created=created, model=model, choices=[],
+                                      usage=_usage(final)))
+    yield "data: [DONE]\n\n"
+
+
+async def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
+                       tokenizer) -> AsyncIterator[str]:
+    def chunk(delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> str:
+        return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[
+            ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)]))
+
+    yield chunk(DeltaMessage(role="assistant", content=""))
+    text_frame = _TextFrame(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[
+        ChatChunkChoice(delta=DeltaMessage(content=_SENTINEL))]))
+    sent_lp = 0
+    final = None
+    try:
+        async for out in _stream_outputs(stream):
+            final = out
+            lp = None
+            if out.logprobs and len(out.logprobs) > sent_lp:
+                lp = _chat_logprobs(out.logprobs[sent_lp:], out.token_ids[sent_lp:], tokenizer)
+                sent_lp = len(out.logprobs)
+            if out.new_text and lp is None:
+                yield text_frame(out.new_text)
+            elif out.new_text or lp:
+                yield chunk(DeltaMessage(content=out.new_text), logprobs=lp)
+            if out.finished:
+                yield chunk(DeltaMessage(), out.finish_reason)
+    except ApiError as e:
+        yield _sse_error(e, e.status, e.type)
+    except EngineDeadError as e:
+        yield _sse_error(e, 503, "engine_dead")
+    if include_usage and final is not None:
+        yield _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[],
+                                       usage=_usage(final)))
+    yield "data: [DONE]\n\n"
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def _completion_logprobs(logprobs, token_ids: list[int], tokenizer) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    offset = 0
+    for lp, tid in zip(logprobs, token_ids):
+        text = _token_text(tokenizer, tid)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({_token_text(tokenizer, t): v for t, v in lp.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_logprobs(logprobs, token_ids: list[int], tokenizer) -> ChatLogprobs:
+    content = []
+    for lp, tid in zip(logprobs, token_ids):
+        text = _token_text(tokenizer, tid)
+        top = [TopLogprob(token=(s := _token_text(tokenizer, t)), logprob=v, bytes=list(s.encode()))
+               for t, v in lp.top]
+        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()),
+                                        top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+# ---- the outer guard: API key and body size, before any routing or parsing -----------------------
+
+class _Guard:
+    """Plain ASGI middleware (no per-request task, unlike BaseHTTPMiddleware): checks the API key
+    on /v1/ routes in constant time and refuses bodies over max_request_bytes with a 413."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int) -> None:
+        self.app = app
+        self.api_key = f"Bearer {api_key}".encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"].startswith("/v1/"):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.api_key):
+                return await error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                            "authentication_error")(scope, receive, send)
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            too_big = error_response(413, f"the request body is over {self.max_request_bytes} bytes",
+                                     "invalid_request_error")
+            try:
+                if int(headers.get(b"content-length", b"0")) > self.max_request_bytes:
+                    return await too_big(scope, receive, send)
+            except ValueError:
+                return await error_response(400, "bad Content-Length", "invalid_request_error")(scope, receive, send)
+            body = await _read_body(receive, self.max_request_bytes)
+            if body is None:
+                return await too_big(scope, receive, send)
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+
+async def _read_body(receive, limit: int) -> bytes | None:
+    """The whole body, or None once it passes `limit` (chunked bodies carry no Content-Length)."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return b"".join(parts)
+        size += len(message.get("body", b""))
+        if size > limit:
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # then the real channel: http.disconnect
+    return replay

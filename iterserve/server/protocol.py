@@ -1,0 +1,227 @@
+"""OpenAI API request and response bodies (the subset iterserve serves), as pydantic models.
+
+Requests map onto SamplingParams; SamplingParams does the range checks so the rules live in one
+place, and its ValueError becomes a 400 in app.py.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from iterserve.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers commonly do (clients send extras).
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+
+    def sampling_params(self, default_max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise ValueError("n must be 1: this server returns one choice per request")
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=num_logprobs, skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValueError("prompt: send one prompt per request (a batch of prompts is not supported)")
+            p = p[0]
+        if self.echo or (self.best_of or 1) > 1 or self.suffix:
+            raise ValueError("echo, best_of > 1 and suffix are not supported")
+        return p
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "iterserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+    @classmethod
+    def of(cls, message: str, type: str, code: int, param: str | None = None) -> dict[str, Any]:
+        return cls(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()

@@ -1,0 +1,79 @@
+"""The HTTP API on the real default model (SmolLM2-135M), driven by the official openai client."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from iterserve.config import EngineConfig
+from iterserve.engine import Engine
+from iterserve.llm import apply_chat_template
+from tests.server.conftest import MODEL, start_server
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def real_server(default_model_path):
+    engine = Engine(EngineConfig(model=default_model_path, num_kv_blocks=512, max_num_seqs=16))
+    server = start_server(engine)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(real_server):
+    return openai.OpenAI(base_url=real_server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def test_completion_greedy_streamed_equals_whole(client, tokenizer):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text.strip()
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_chat_streamed_and_whole(client, tokenizer):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    assert r.usage.prompt_tokens == len(apply_chat_template(tokenizer, CHAT))
+    assert 1 <= r.usage.completion_tokens <= 10
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in r.choices[0].logprobs.content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_stop_string(client):
+    prompt = "One, two, three, four, five,"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    words = full.split()
+    assert len(words) >= 3, full
+    stop = words[2]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == full[:full.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stop=[stop], stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_seeded_sampling_repeats(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, top_p=0.95,
+              extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01})
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    assert a == b
+
+
+def test_prompt_longer_than_context_is_400(real_server):
+    max_len = real_server.async_engine.engine.scheduler.max_model_len
+    r = httpx.post(real_server.url + "/v1/completions", json={"model": MODEL, "prompt": list(range(1, max_len + 5))})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
