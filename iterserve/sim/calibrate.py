@@ -1,0 +1,367 @@
+"""`iterserve calibrate`: measure this machine and fit the simulator's `cpu-local` profile.
+
+Four measurements, each a few seconds:
+1. matmul throughput (float32 and bfloat16 GEMMs): the peak FLOP/s the roofline divides by;
+2. memory bandwidth (a large tensor summed): the bytes/s the roofline divides by;
+3. real step times of the loaded model (ModelRunner.execute on hand-made plans: decode at a few
+   batch sizes and contexts, prefill at a few lengths);
+4. the engine's host work per step (schedule, update, detokenize) with a zero-cost executor.
+
+Then the efficiency factors are fitted to (3) by a grid search over (memory, linear, attention)
+efficiency with the overheads solved by least squares for each point, minimising squared
+relative error; (4) is added to the fixed and per-request overheads. The profile is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from iterserve.config import EngineConfig
+from iterserve.sampling_params import SamplingParams
+from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
+from iterserve.sim.cost_model import CostModel
+from iterserve.sim.hardware import HardwareSpec, default_cpu_profile_path
+from iterserve.sim.model_spec import ModelSpec
+
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+# ---------------------------------------------------------------- microbenchmarks
+
+def _best_time(fn, reps: int) -> float:
+    fn()  # warm-up: allocation, thread pool, kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_matmul(dtype_name: str, n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of an n x n GEMM; best of reps, since other processes share the cores."""
+    import torch
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_time(lambda: torch.mm(a, b), reps)
+
+
+def measure_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """Bytes/s streaming a tensor far larger than the last-level cache."""
+    import torch
+    x = torch.ones(mib * (1 << 20) // 4, dtype=torch.float32)
+    return x.numel() * 4 / _best_time(lambda: x.sum(), reps)
+
+
+# ---------------------------------------------------------------- real step times
+
+def _decode_plan(batch: int, context: int, block_size: int) -> SchedulerOutput:
+    """`batch` requests, each decoding its token number `context`, on disjoint blocks."""
+    per = -(-context // block_size)
+    reqs = [ScheduledRequest(f"c{i}", [100 + i], context - 1, list(range(i * per, (i + 1) * per)), True, GREEDY, 1)
+            for i in range(batch)]
+    return SchedulerOutput(reqs, block_size)
+
+
+def _prefill_plan(batch: int, length: int, block_size: int) -> SchedulerOutput:
+    per = -(-length // block_size)
+    reqs = [ScheduledRequest(f"p{i}", [(7 * j + i) % 1000 + 10 for j in range(length)], 0,
+                             list(range(i * per, (i + 1) * per)), True, GREEDY, 0) for i in range(batch)]
+    return SchedulerOutput(reqs, block_size)
+
+
+def measure_steps(runner, points: list[tuple[str, int, int]], reps: int) -> list[dict]:
+    """Median wall time of runner.execute for each (kind, batch, length) point."""
+    rows = []
+    for kind, batch, length in points:
+        plan = (_decode_plan if kind == "decode" else _prefill_plan)(batch, length, runner.block_size)
+        runner.execute(plan)  # warm-up
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            runner.execute(plan)
+            times.append(time.perf_counter() - t)
+        q = [len(s.token_ids) for s in plan.scheduled]
+        rows.append({"kind": kind, "batch": batch, "length": length, "q_lens": q,
+                     "ctx_lens": [s.start_pos + len(s.token_ids) for s in plan.scheduled],
+                     "measured_s": statistics.median(times)})
+        print(f"  {kind:<7} batch {batch:>3} len {length:>4}: {rows[-1]['measured_s'] * 1e3:8.1f} ms", flush=True)
+    return rows
+
+
+class _NullExecutor:
+    """No model: the engine's own host work (schedule, update, detokenize) is all that is timed."""
+
+    def __init__(self, tokenizer, num_kv_blocks: int, max_model_len: int, token_id: int):
+        self.tokenizer, self.eos_token_id, self.vocab_size = tokenizer, None, None
+        self.num_kv_blocks, self.num_host_blocks, self.max_model_len = num_kv_blocks, 0, max_model_len
+        self.token_id = token_id
+        self.batches: list[int] = []
+        self.ends: list[float] = []
+        self.starts: list[float] = []
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        self.starts.append(time.perf_counter())
+        self.batches.append(len(plan.scheduled))
+        out = StepResult([self.token_id if s.sample else -1 for s in plan.scheduled])
+        self.ends.append(time.perf_counter())
+        return out
+
+
+def measure_host_overhead(tokenizer, batch_sizes: list[int], steps: int = 40) -> tuple[float, float]:
+    """(seconds per step, seconds per request per step) of the engine around the executor:
+    the gap between one execute's end and the next one's start, fitted linearly in batch size."""
+    from iterserve.engine.engine import Engine
+    token = (tokenizer.encode(" the", add_special_tokens=False) or [100])[-1] if tokenizer else 100
+    xs, ys = [], []
+    for b in batch_sizes:
+        ex = _NullExecutor(tokenizer, 4096, 4096, token)
+        engine = Engine(EngineConfig(max_num_seqs=b, num_kv_blocks=4096), executor=ex)
+        for i in range(b):
+            engine.add_request([100 + (i * 13 + j) % 500 for j in range(64)],
+                               SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        for k in range(2, len(ex.starts)):  # skip the prefill step
+            xs.append(ex.batches[k - 1])
+            ys.append(ex.starts[k] - ex.ends[k - 1])
+    a = np.vstack([np.ones(len(xs)), np.asarray(xs, float)]).T
+    (fixed, per_seq), *_ = np.linalg.lstsq(a, np.asarray(ys), rcond=None)
+    return max(0.0, float(fixed)), max(0.0, float(per_seq))
+
+
+# ---------------------------------------------------------------- fit
+
+def _roofline_times(model: ModelSpec, hw: HardwareSpec, rows: list[dict]) -> np.ndarray:
+    """Each row's modelled time without the overheads (those are solved for separately)."""
+    cm = CostModel(model, hw)
+    return np.array([cm.breakdown(r["q_lens"], r["ctx_lens"]).total_s - cm.fixed_overhead for r in rows])
+
+
+EFFICIENCY_GRID = [0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2]
+# CPU attention gathers K/V through block tables and upcasts: far below the roofline, so its
+# factors reach down to 0.5%.
+ATTENTION_GRID = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8]
+
+
+def fit_profile(model: ModelSpec, base: HardwareSpec, rows: list[dict]) -> tuple[HardwareSpec, float]:
+    """Grid over efficiencies, least squares for the two overheads; minimise squared relative error."""
+    y = np.array([r["measured_s"] for r in rows])
+    batch = np.array([len(r["q_lens"]) for r in rows], float)
+    a = np.vstack([np.ones_like(y), batch]).T / y[:, None]  # rows scaled by 1/y: relative residuals
+    best = (float("inf"), base)
+    for mem, lin, att, att_mem in itertools.product(EFFICIENCY_GRID, EFFICIENCY_GRID, ATTENTION_GRID, ATTENTION_GRID):
+        hw = HardwareSpec(**{**base.to_json(), "mem_efficiency": mem, "flops_efficiency": lin, "attn_efficiency": att,
+                             "attn_mem_efficiency": att_mem, "step_overhead_s": 0.0, "layer_overhead_s": 0.0,
+                             "seq_overhead_s": 0.0})
+        roof = _roofline_times(model, hw, rows)
+        coef, *_ = np.linalg.lstsq(a, (y - roof) / y, rcond=None)
+        coef = np.maximum(coef, 0.0)
+        pred = roof + coef[0] + coef[1] * batch
+        err = float(np.sum(((pred - y) / y) ** 2))
+        if err < best[0]:
+            best = (err, HardwareSpec(**{**hw.to_json(), "step_overhead_s": float(coef[0]),
+                                         "seq_overhead_s": float(coef[1])}))
+    return best[1], best[0]
+
+
+def refit(path: str) -> dict:
+    """Fit a profile again from the step times it recorded (no new measurements)."""
+    profile = json.loads(Path(path).read_text())
+    m = profile["measured"]
+    from iterserve.sim.model_spec import get_model_spec
+    spec = get_model_spec(profile["model"]["path"], profile["model"]["dtype_bytes"])
+    base = HardwareSpec.from_json(profile["hardware"])
+    hw, err = fit_profile(spec, base, m["steps"])
+    for r, p in zip(m["steps"], predict_rows(spec, hw, m["steps"])):
+        r["predicted_s"], r["error"] = p, p / r["measured_s"] - 1
+    hw = HardwareSpec(**{**hw.to_json(), "step_overhead_s": hw.step_overhead_s + m["host_step_s"],
+                         "seq_overhead_s": hw.seq_overhead_s + m["host_seq_s"]})
+    profile["hardware"] = hw.to_json()
+    m["fit_rms_rel_error"] = float(np.sqrt(err / len(m["steps"])))
+    return profile
+
+
+def predict_rows(model: ModelSpec, hw: HardwareSpec, rows: list[dict]) -> list[float]:
+    cm = CostModel(model, hw)
+    return [cm.step_time(r["q_lens"], r["ctx_lens"]) for r in rows]
+
+
+# ---------------------------------------------------------------- command
+
+def calibrate(model_path: str | None, quick: bool = False, dtype: str = "auto", reps: int = 3,
+              num_threads: int | None = None) -> dict:
+    import torch
+    if num_threads:
+        torch.set_num_threads(num_threads)
+
+    from iterserve.executor.model_runner import ModelRunner
+    from iterserve.sim.model_spec import get_model_spec
+    from iterserve.model.loader import default_model_path
+    path = model_path or default_model_path()
+    print(f"calibrating on {torch.get_num_threads()} threads with {path}", flush=True)
+    flops = {d: measure_matmul(d) for d in ("float32", "bfloat16")}
+    bw = measure_bandwidth()
+    print(f"  matmul {flops['float32'] / 1e9:.1f} GFLOP/s fp32, {flops['bfloat16'] / 1e9:.1f} GFLOP/s bf16; "
+          f"memory {bw / 1e9:.1f} GB/s", flush=True)
+    runner = ModelRunner(EngineConfig(model=model_path, dtype=dtype, num_kv_blocks=1200, max_num_seqs=64,
+                                       num_threads=num_threads))
+    elem = torch.tensor([], dtype=runner.dtype).element_size()
+    spec = get_model_spec(path, elem)
+    points = [("decode", 1, 128), ("decode", 8, 128), ("decode", 32, 128), ("decode", 32, 512),
+              ("decode", 8, 1024), ("prefill", 1, 128), ("prefill", 1, 512), ("prefill", 4, 128)]
+    if not quick:
+        points += [("decode", 4, 256), ("decode", 16, 256), ("decode", 64, 256), ("prefill", 1, 32)]
+    rows = measure_steps(runner, points, reps)
+    base = HardwareSpec("cpu-local", memory_bytes=_total_memory(), mem_bandwidth=bw,
+                        peak_flops=flops["bfloat16" if elem == 2 else "float32"], reserved_bytes=0, kind="cpu",
+                        interconnect_bandwidth=bw, host_link_bandwidth=bw)
+    hw, err = fit_profile(spec, base, rows)
+    host_fixed, host_seq = measure_host_overhead(runner.tokenizer, [1, 8, 32])
+    print(f"  engine host work: {host_fixed * 1e3:.2f} ms/step + {host_seq * 1e6:.0f} us/request", flush=True)
+    for r, p in zip(rows, predict_rows(spec, hw, rows)):  # the runner's steps: without the host work
+        r["predicted_s"] = p
+        r["error"] = p / r["measured_s"] - 1
+    # the engine's steps = the runner's + its own host work (schedule, update, detokenize)
+    hw = HardwareSpec(**{**hw.to_json(), "step_overhead_s": hw.step_overhead_s + host_fixed,
+                         "seq_overhead_s": hw.seq_overhead_s + host_seq})
+    return {"hardware": hw.to_json(),
+            "model": {"path": path, "name": spec.name, "dtype_bytes": elem},
+            "measured": {"matmul_flops": flops, "mem_bandwidth": bw, "threads": torch.get_num_threads(),
+                         "host_step_s": host_fixed, "host_seq_s": host_seq, "steps": rows,
+                         "fit_rms_rel_error": float(np.sqrt(err / len(rows)))},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+# ---------------------------------------------------------------- validation
+
+# Bench workloads (the flags of `iterserve bench`), scaled to run in minutes on two shared cores.
+VALIDATION_WORKLOADS = [
+    ["--num-requests", "32", "--prompt-len", "128", "--output-dist", "exponential", "--output-mean", "32",
+     "--output-max", "128", "--max-num-seqs", "8", "--seed", "0"],
+    ["--num-requests", "32", "--prompt-len", "64", "--output-dist", "uniform", "--output-min", "16",
+     "--output-max", "64", "--max-num-seqs", "16", "--seed", "1"],
+]
+FIGURES = (("out tok/s", lambda t: t["output_tokens_per_s"]), ("TTFT mean", lambda t: t["ttft_s"]["mean"]),
+           ("TPOT mean", lambda t: t["tpot_s"]["mean"]))
+
+
+def validate(profile_path: str, workloads: list[list[str]] | None = None, num_threads: int | None = None,
+             save_dir: str | None = None) -> list[dict]:
+    """Each workload through the real engine and through the simulator on the profile; the
+    relative error of each figure, per target."""
+    from iterserve.bench import cli as bench_cli
+    from iterserve.bench.runner import build_report, run_targets
+    from iterserve.sim.cli import build_parser as sim_parser, engine_factory, resolve
+    rows = []
+    for flags in workloads or VALIDATION_WORKLOADS:
+        threads = ["--num-threads", str(num_threads)] if num_threads else []
+        args = sim_parser().parse_args([*flags, *threads, "--hardware", "cpu-local", "--hardware-profile", profile_path])
+        trace, kw = bench_cli.trace_from_args(args), bench_cli.engine_kwargs_from_args(args)
+        real = build_report({}, run_targets(trace, ["continuous", "static"], kw))["targets"]
+        if save_dir:  # the real runs are the expensive half: keep them for later comparisons
+            Path(save_dir, f"real-{len(rows) // 2}.json").write_text(json.dumps({"flags": flags, "targets": real}))
+        model, hw = resolve(args)
+        sim_kw = {**kw, "num_kv_blocks": kw.get("num_kv_blocks") or _real_kv_blocks(kw)}
+        sim = build_report({}, run_targets(trace, ["continuous", "static"], sim_kw,
+                                           engine_factory=engine_factory(model, hw)))["targets"]
+        for r, m in zip(real, sim):
+            row = {"workload": " ".join(flags), "target": r["name"]}
+            for name, get in FIGURES:
+                row[name] = (get(r), get(m), get(m) / get(r) - 1 if get(r) else None)
+            rows.append(row)
+            print(format_validation([row]).splitlines()[-1], flush=True)
+    return rows
+
+
+def _real_kv_blocks(kw: dict) -> int:
+    """The pool the real engine would size from kv_cache_memory, so both runs share one KV budget."""
+    from iterserve.config import parse_bytes
+    from iterserve.model.loader import default_model_path
+    from iterserve.sim.model_spec import get_model_spec
+    import torch
+    from iterserve.executor.model_runner import pick_device, pick_dtype
+    elem = torch.tensor([], dtype=pick_dtype(kw.get("dtype", "auto"), pick_device("auto"))).element_size()
+    spec = get_model_spec(kw.get("model") or default_model_path(), elem)
+    block = kw.get("block_size", 16) * spec.kv_bytes_per_token
+    return int(parse_bytes(kw.get("kv_cache_memory", EngineConfig().kv_cache_memory)) // block)
+
+
+def format_validation(rows: list[dict]) -> str:
+    head = f"{'target':<11}" + "".join(f"{n + ' real':>15}{'sim':>9}{'err':>7}" for n, _ in FIGURES)
+    out = [head]
+    for r in rows:
+        line = f"{r['target']:<11}"
+        for name, _ in FIGURES:
+            real, sim, err = r[name]
+            line += f"{real:>15.3f}{sim:>9.3f}{'-' if err is None else f'{err * 100:+.0f}%':>7}"
+        out.append(line)
+    return "\n".join(out)
+
+
+def _total_memory() -> int:
+    try:
+        import os
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="iterserve calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model to time (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--output", default=None, help=f"profile path (default: {default_cpu_profile_path()})")
+    p.add_argument("--quick", action="store_true", help="fewer step-time points")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads for every measurement (1 is steadier when other work shares the cores)")
+    p.add_argument("--validate", action="store_true",
+                   help="after fitting, run bench workloads for real and simulated and print the error table")
+    p.add_argument("--validate-only", default=None, metavar="PROFILE", help="validate an existing profile")
+    p.add_argument("--save-runs", default=None, metavar="DIR", help="validation: keep the real runs' reports here")
+    p.add_argument("--refit", default=None, metavar="PROFILE",
+                   help="fit an existing profile again from its recorded step times, in place")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.refit:
+        profile = refit(args.refit)
+        Path(args.refit).write_text(json.dumps(profile, indent=2))
+        _print_fit(profile)
+        print(f"wrote {args.refit}")
+        return 0
+    if args.validate_only:
+        print(format_validation(validate(args.validate_only, num_threads=args.num_threads, save_dir=args.save_runs)))
+        return 0
+    profile = calibrate(args.model, args.quick, args.dtype, args.reps, args.num_threads)
+    out = Path(args.output) if args.output else default_cpu_profile_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2))
+    _print_fit(profile)
+    print(f"wrote {out}")
+    if args.validate:
+        rows = validate(str(out), num_threads=args.num_threads, save_dir=args.save_runs)
+        print("workloads:\n" + "\n".join(f"  iterserve bench {' '.join(w)}" for w in VALIDATION_WORKLOADS))
+        print(format_validation(rows))
+        profile["validation"] = rows
+        out.write_text(json.dumps(profile, indent=2))
+    return 0
+
+
+def _print_fit(profile: dict) -> None:
+    hw = profile["hardware"]
+    print(f"fitted: memory eff {hw['mem_efficiency']:.2f}, linear eff {hw['flops_efficiency']:.2f}, "
+          f"attention eff {hw['attn_efficiency']:.2f}, overhead {hw['step_overhead_s'] * 1e3:.2f} ms/step "
+          f"+ {hw['seq_overhead_s'] * 1e6:.0f} us/request; step-time fit error "
+          f"{profile['measured']['fit_rms_rel_error'] * 100:.1f}% rms")
+    print(f"{'kind':<8}{'batch':>6}{'len':>6}{'measured ms':>13}{'model ms':>10}{'error':>8}")
+    for r in profile["measured"]["steps"]:
+        print(f"{r['kind']:<8}{r['batch']:>6}{r['length']:>6}{r['measured_s'] * 1e3:>13.1f}"
+              f"{r['predicted_s'] * 1e3:>10.1f}{r['error'] * 100:>7.1f}%")
