@@ -11,7 +11,7 @@ from iterserve.scheduler.output import TokenLogprobs
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
+    token_ids: list[int]  # all output tokens so far (the request's own list: copy it to keep a snapshot)
     text: str  # all output text so far (stop strings cut off)
     new_token_ids: list[int]  # tokens added by this step
     new_text: str  # text added by this step (held back while it could be part of a stop string)

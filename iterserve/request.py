@@ -19,7 +19,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
 
 
 @dataclass(slots=True)
@@ -69,6 +73,7 @@ class Request:
     cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + output, grows by one per decode
+    output_token_ids: list[int] = field(default_factory=list)  # the output alone, appended alongside
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
     arrival_seq: int = 0  # tie-breaker for FCFS order, set by the scheduler
@@ -92,11 +97,11 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.output_token_ids)
 
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
 
     @property
     def prompt_done(self) -> bool:
@@ -104,4 +109,4 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED

@@ -152,7 +152,7 @@ class Engine:
 
     def _emit(self, request: Request, state: _TextState, error: str | None = None) -> RequestOutput:
         finished = request.finished
-        outputs = request.output_token_ids
+        outputs = request.output_token_ids  # a live list: RequestOutput.token_ids grows with it
         new_text = state.detokenizer.take_new_text(finished) if state.detokenizer else ""
         text = state.detokenizer.text if state.detokenizer else ""
         new_tokens = outputs[state.num_tokens_sent:]

@@ -12,6 +12,9 @@ from iterserve.kv.block_pool import Block, BlockPool
 from iterserve.request import Request
 
 
+_NO_BLOCKS: tuple = ()  # allocate_slots' answer when no new block is needed (never mutated)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -85,9 +88,13 @@ class KVCacheManager:
         return self.pool.num_free_blocks - reusable_free - needed >= self.watermark_blocks
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed: list[Block] = ()) -> list[Block] | None:
+                       computed: list[Block] = ()) -> list[Block] | tuple | None:
         """Blocks so that the request's first num_computed + len(computed)*bs + num_new tokens have slots."""
         rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        if blocks is not None and not computed and \
+                request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size:
+            return _NO_BLOCKS  # the common decode step: the last block still has room
         blocks = self.req_blocks.setdefault(rid, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks) - len(computed)
@@ -109,10 +116,13 @@ class KVCacheManager:
         """Register the request's newly full, computed blocks so later requests can reuse them."""
         if not self.pool.enable_caching:
             return
+        bs = self.block_size
+        hashes = self.req_hashes.get(request.request_id)
+        if hashes is not None and len(hashes) >= request.num_computed_tokens // bs:
+            return  # no block filled up since the last call
         hashes = self.req_hashes.setdefault(request.request_id, [])
         blocks = self.req_blocks.get(request.request_id, [])
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
-        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(blocks))
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], request.cache_salt))

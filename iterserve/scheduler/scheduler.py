@@ -124,8 +124,9 @@ class Scheduler:
                 while request.forks and (victim := self._fork_victim(request, i)) is not None:
                     self._preempt(victim, plan)  # the siblings need blocks to copy-on-write into
                     self._fork(request, plan)
-            n = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            if n == 0:  # a parent waiting for seats to fork into
+            n = self._num_new_tokens(request, request.num_computed_tokens, budget) if request.forks else \
+                min(len(request.token_ids) - request.num_computed_tokens, budget)
+            if n == 0:  # a parent waiting for its siblings' blocks
                 i += 1
                 continue
             while self.kv.allocate_slots(request, n) is None:
@@ -314,10 +315,10 @@ class Scheduler:
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        tokens = request.token_ids
         return ScheduledRequest(
-            request.request_id, request.token_ids[start:start + n], start,
-            self.kv.block_table(request.request_id), sample=start + n == request.num_tokens,
-            sampling_params=request.sampling_params, output_len=request.num_output_tokens)
+            request.request_id, tokens[start:start + n], start, self.kv.req_block_ids[request.request_id],
+            start + n == len(tokens), request.sampling_params, len(request.output_token_ids))
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
@@ -334,10 +335,11 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
             if not scheduled.sample:
                 continue
-            request.token_ids.append(token)
-            if request.times.first_token is None:
-                request.times.first_token = now
-            request.times.token_times.append(now)
+            request.append_token(token)
+            times = request.times
+            if times.first_token is None:
+                times.first_token = now
+            times.token_times.append(now)
             status = self._stop_status(request, token)
             if status is not None:
                 self.finish_request(request.request_id, status)
@@ -348,10 +350,10 @@ class Scheduler:
         params = request.sampling_params
         if token == request.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+        if params.stop_token_ids and token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if len(request.output_token_ids) >= params.max_tokens or len(request.token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -1,0 +1,184 @@
+"""`iterserve bench`: one seeded trace through several targets, a table of ratios to the first,
+optional JSON (every figure) and PNG plots; `--sweep` repeats it over one knob."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from iterserve.bench.metrics import Slo
+from iterserve.bench.runner import build_report, format_table, run_targets, shared_model_engines
+from iterserve.bench.workload import (OUTPUT_DISTS, PROMPT_DISTS, SHAREGPT_OUTPUT_MEAN, SHAREGPT_PROMPT_MEAN,
+                                      LengthDist, Trace, make_trace)
+
+SWEEPABLE = ("max-num-seqs", "request-rate", "concurrency")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="iterserve bench", description=__doc__)
+    p.add_argument("--targets", default="continuous,static",
+                   help="comma list of continuous, static, hf-static, http:URL (ratios are to the first)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-requests", type=int, default=128)
+    w.add_argument("--prompt-len", type=int, default=None, help="prompt length, or its mean (default 128; "
+                   f"{SHAREGPT_PROMPT_MEAN} for lognormal)")
+    w.add_argument("--prompt-dist", choices=PROMPT_DISTS, default="fixed")
+    w.add_argument("--prompt-min", type=int, default=1)
+    w.add_argument("--prompt-max", type=int, default=None)
+    w.add_argument("--output-dist", choices=OUTPUT_DISTS, default="exponential")
+    w.add_argument("--output-mean", type=float, default=None,
+                   help=f"mean output length (default 128; {SHAREGPT_OUTPUT_MEAN} for lognormal and mix chat)")
+    w.add_argument("--output-min", type=int, default=1)
+    w.add_argument("--output-max", type=int, default=512, help="cap (exponential, lognormal, mix); upper bound (uniform)")
+    w.add_argument("--sigma", type=float, default=None, help="lognormal shape (default: ShareGPT-like 0.9)")
+    w.add_argument("--mix-fraction", type=float, default=0.5, help="mix: share of 1-8 token classification requests")
+    w.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson; Gamma with --burstiness)")
+    w.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape: < 1 burstier than Poisson")
+    w.add_argument("--concurrency", type=int, default=None, help="closed loop: keep C requests in flight")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--trace", default=None, help="replay this JSONL trace instead of generating one")
+    w.add_argument("--save-trace", default=None, help="write the trace (with its prompt token ids) to JSONL")
+    e = p.add_argument_group("engine (the same for continuous and static)")
+    e.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--max-num-seqs", type=int, default=32)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB (ignored with --num-kv-blocks)")
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--num-threads", type=int, default=None)
+    o = p.add_argument_group("output")
+    o.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, seconds")
+    o.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, seconds")
+    o.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on end-to-end latency, seconds")
+    o.add_argument("--json", default=None, help="write every figure to this path")
+    o.add_argument("--plot", default=None, help="write PNG plots to this directory")
+    o.add_argument("--sweep", default=None, help=f"NAME=v1,v2,... with NAME in {', '.join(SWEEPABLE)}")
+    o.add_argument("--http-model", default=None, help="model name for http targets (default: first of /v1/models)")
+    o.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def trace_from_args(args: argparse.Namespace) -> Trace:
+    if args.trace:
+        return Trace.load(args.trace)
+    lognormal = ("lognormal", "mix")
+    prompt = LengthDist(args.prompt_dist, args.prompt_len or (SHAREGPT_PROMPT_MEAN if args.prompt_dist in lognormal
+                                                               else 128),
+                        args.prompt_min, args.prompt_max, **_sigma(args))
+    output = LengthDist(args.output_dist, args.output_mean or (SHAREGPT_OUTPUT_MEAN if args.output_dist in lognormal
+                                                               else 128),
+                        args.output_min, args.output_max, mix=args.mix_fraction, **_sigma(args))
+    if args.concurrency:
+        arrivals = "closed"
+    elif args.request_rate:
+        arrivals = "poisson" if args.burstiness == 1.0 else "gamma"
+    else:
+        arrivals = "offline"
+    return make_trace(args.num_requests, prompt, output, arrivals=arrivals, request_rate=args.request_rate,
+                      burstiness=args.burstiness, concurrency=args.concurrency, seed=args.seed)
+
+
+def _sigma(args: argparse.Namespace) -> dict:
+    return {} if args.sigma is None else {"sigma": args.sigma}
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
+    kw = {"model": args.model, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs, "seed": args.seed}
+    optional = {"max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": args.num_kv_blocks,
+                "kv_cache_memory": args.kv_cache_memory, "block_size": args.block_size,
+                "num_threads": args.num_threads}
+    kw.update({k: v for k, v in optional.items() if v is not None})
+    if args.no_prefix_caching:
+        kw["enable_prefix_caching"] = False
+    return kw
+
+
+def parse_sweep(text: str) -> tuple[str, list[float]]:
+    name, _, values = text.partition("=")
+    if name not in SWEEPABLE or not values:
+        raise SystemExit(f"--sweep wants NAME=v1,v2,... with NAME in {SWEEPABLE}, got {text!r}")
+    return name, [float(v) for v in values.split(",")]
+
+
+def format_sweep(name: str, points: list[tuple[float, dict]]) -> str:
+    head = (f"{name:>14}{'target':>14}{'out tok/s':>11}{'req/s':>8}{'TTFT mean':>11}{'TTFT p99':>10}"
+            f"{'TPOT mean':>11}{'e2e p99':>9}{'goodput':>9}")
+    rows = [head, "-" * len(head)]
+    f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    for value, report in points:
+        for t in report["targets"]:
+            rows.append(f"{value:>14g}{t['name'][:13]:>14}{f(t['output_tokens_per_s'], 1):>11}"
+                        f"{f(t['requests_per_s'], 2):>8}{f(t['ttft_s']['mean']):>11}{f(t['ttft_s']['p99']):>10}"
+                        f"{f(t['tpot_s']['mean'], 4):>11}{f(t['e2e_s']['p99'], 2):>9}{f(t['goodput_rps'], 2):>9}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    slo = Slo(args.slo_ttft, args.slo_tpot, args.slo_e2e)
+    progress = not args.no_progress
+    print(f"$ iterserve bench {shlex.join(argv)}")
+    if args.sweep:
+        return _sweep(args, targets, slo, progress)
+    trace = trace_from_args(args)
+    kw = engine_kwargs_from_args(args)
+    results = run_targets(trace, targets, kw, progress, http_model=args.http_model)
+    if args.save_trace:
+        trace.save(args.save_trace)
+    report = build_report(_config(args, trace, kw), results, slo)
+    print(_trace_line(trace))
+    print(format_table(report))
+    _write(report, args.json)
+    if args.plot:
+        from iterserve.bench.plots import plot_all
+        for path in plot_all(results, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace, targets: list[str], slo: Slo, progress: bool) -> int:
+    name, values = parse_sweep(args.sweep)
+    points, flat = [], []
+    factory = shared_model_engines()  # one model load for the whole sweep
+    for value in values:
+        attr = name.replace("-", "_")
+        setattr(args, attr, int(value) if name != "request-rate" else value)
+        trace, kw = trace_from_args(args), engine_kwargs_from_args(args)
+        results = run_targets(trace, targets, kw, progress, factory, http_model=args.http_model)
+        report = build_report(_config(args, trace, kw), results, slo)
+        points.append((value, report))
+        flat += [{**t, "sweep": {name: value}} for t in report["targets"]]
+        print(f"{name}={value:g}: " + ", ".join(f"{t['name']} {t['output_tokens_per_s']:.1f} tok/s"
+                                                for t in report["targets"]), file=sys.stderr)
+    print(format_sweep(name, points))
+    report = {"config": {**points[0][1]["config"], "sweep": {"param": name, "values": values}}, "targets": flat}
+    _write(report, args.json)
+    if args.plot:
+        from iterserve.bench.plots import plot_sweep
+        print(f"wrote {plot_sweep(name, points, args.plot)}")
+    return 0
+
+
+def _config(args: argparse.Namespace, trace: Trace, kw: dict) -> dict:
+    return {"argv": vars(args), "engine": kw, "trace": trace.meta, "concurrency": trace.concurrency,
+            "num_requests": len(trace), "total_output_tokens": trace.total_output_tokens}
+
+
+def _trace_line(trace: Trace) -> str:
+    p = [r.prompt_len for r in trace.requests]
+    o = [r.output_len for r in trace.requests]
+    return (f"trace: {len(trace)} requests, prompt mean {sum(p) / len(p):.1f}, output mean {sum(o) / len(o):.1f} "
+            f"(max {max(o)}), {trace.total_output_tokens} output tokens, arrivals "
+            f"{trace.meta.get('arrivals', 'from file')}")
+
+
+def _write(report: dict, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=1))
+        print(f"wrote {path}")

@@ -1,0 +1,410 @@
+"""Drive one trace through targets: this engine (continuous, static), transformers' generate in
+padded static batches (hf-static), or any OpenAI-compatible server (http:URL).
+
+`run_trace` is the one driver for engines; the simulator passes an engine whose clock is virtual
+and the driver advances that clock instead of sleeping, so metrics, report and plots are shared.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+from collections import deque
+from typing import Callable
+
+from tqdm import tqdm
+
+from iterserve.bench.metrics import RequestMetrics, Slo, TargetResult, request_metrics, summarize
+from iterserve.bench.workload import Trace, TraceRequest, materialize_prompts
+from iterserve.outputs import StepRecord
+from iterserve.request import RequestTimes
+from iterserve.sampling_params import SamplingParams
+
+ENGINE_TARGETS = ("continuous", "static")
+# The EngineConfig fields the ModelRunner reads: engines differing only elsewhere share one.
+RUNNER_FIELDS = ("model", "dtype", "device", "quantization", "block_size", "num_kv_blocks", "kv_cache_memory",
+                 "swap_space", "max_model_len", "num_threads", "use_cuda_graphs", "gpu_memory_utilization")
+
+
+def _params(r: TraceRequest) -> SamplingParams:
+    # Greedy and ignore_eos: every target generates exactly output_len tokens, so all do equal work.
+    return SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+
+
+def _advance_fn(clock) -> Callable[[float], None] | None:
+    """The virtual clock's advance_to, whether the engine holds the clock object or its bound now()."""
+    return getattr(clock, "advance_to", None) or getattr(getattr(clock, "__self__", None), "advance_to", None)
+
+
+def _progress(total: int, name: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=f"{name:>12}", unit="req", disable=not enabled, file=sys.stderr,
+                dynamic_ncols=True, leave=False)
+
+
+# ---------------------------------------------------------------- this engine
+
+def run_trace(engine, trace: Trace, name: str = "engine", progress: bool = False) -> TargetResult:
+    """Feed the trace's requests to `engine` at their arrival times (or keep `trace.concurrency`
+    in flight for a closed loop) and step it until all finish. When the engine is idle and the
+    next arrival lies ahead, sleep on a real clock or advance a virtual one."""
+    if any(r.prompt_token_ids is None for r in trace.requests):
+        materialize_prompts(trace, engine.tokenizer)
+    clock, advance = engine.clock, _advance_fn(engine.clock)
+    pending = deque(sorted(trace.requests, key=lambda r: r.arrival_time))  # stable: ties keep trace order
+    by_id = {r.request_id: r for r in trace.requests}
+    first_preemptions = engine.num_preemptions
+    done: dict[str, RequestMetrics] = {}
+    in_flight = 0
+    bar = _progress(len(trace), name, progress)
+    t0 = clock()
+    while pending or engine.has_unfinished():
+        now = clock()
+        while pending and (in_flight < trace.concurrency if trace.concurrency
+                           else t0 + pending[0].arrival_time <= now):
+            r = pending.popleft()
+            # Open loop: the request arrived at its trace time even if a step was running then.
+            arrival = now if trace.concurrency else t0 + r.arrival_time
+            engine.add_request(list(r.prompt_token_ids), _params(r), request_id=r.request_id, arrival_time=arrival)
+            in_flight += 1
+        if not engine.has_unfinished():
+            if not pending:
+                break
+            wake = t0 + pending[0].arrival_time
+            if advance is not None:
+                advance(wake)
+            else:
+                time.sleep(max(0.0, wake - clock()))
+            continue
+        for out in engine.step():
+            if not out.finished:
+                continue
+            r = by_id[out.request_id]
+            m = request_metrics(r.request_id, r.prompt_len, len(out.token_ids), out.times, t0)
+            if out.finish_reason in ("error", "abort"):
+                m.e2e = None  # counted as failed, not as a fast completion
+            done[r.request_id] = m
+            in_flight -= 1
+            bar.update(1)
+    bar.close()
+    end = max((m.finished for m in done.values() if m.finished is not None), default=0.0)
+    # step_records is a bounded deque: select this run's steps by time, not by index
+    steps = [dataclasses.replace(s, start=s.start - t0, end=s.end - t0) for s in engine.step_records if s.start >= t0]
+    return TargetResult(name, [done[r.request_id] for r in trace.requests if r.request_id in done], end, steps,
+                        engine.num_preemptions - first_preemptions)
+
+
+def warmup(engine, trace: Trace) -> None:
+    """One short request so lazy initialisation is not billed to the first measured request. Its
+    prompt is shorter than a block, so it leaves nothing in the prefix cache."""
+    prompt = (trace.requests[0].prompt_token_ids or [1])[: max(1, engine_block_size(engine) - 1)]
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                             request_id="bench-warmup")
+    while engine.has_unfinished():
+        engine.step()
+    assert rid == "bench-warmup"
+
+
+def engine_block_size(engine) -> int:
+    config = getattr(engine, "config", None)
+    return getattr(config, "block_size", 16)
+
+
+def shared_model_engines() -> Callable[[str, dict], object]:
+    """An engine factory that loads the model once and hands the same ModelRunner to every
+    engine it builds: one load instead of one per mode, and the same weights and the same KV
+    pool for continuous and static by construction. Safe because the runner holds no
+    per-request state that outlives a request (greedy sampling keeps no generators)."""
+    from iterserve.config import EngineConfig
+    from iterserve.engine import Engine
+    from iterserve.executor.model_runner import ModelRunner
+    runners: dict[str, ModelRunner] = {}
+
+    def make(scheduling: str, engine_kwargs: dict) -> Engine:
+        config = EngineConfig(**{**engine_kwargs, "scheduling": scheduling})
+        key = repr([getattr(config, f) for f in RUNNER_FIELDS])  # a sweep over seats keeps the model
+        if key not in runners:
+            runners.clear()  # free the previous model before loading the next
+            gc.collect()
+            runners[key] = ModelRunner(config)
+        return Engine(config, executor=runners[key])
+    make.loads_model = True  # run_targets: prompts need this model's tokenizer
+    return make
+
+
+def run_engine_target(trace: Trace, scheduling: str, engine_kwargs: dict, progress: bool = False,
+                      engine_factory: Callable[[str, dict], object] | None = None) -> TargetResult:
+    engine = (engine_factory or shared_model_engines())(scheduling, engine_kwargs)
+    if _advance_fn(engine.clock) is None:
+        warmup(engine, trace)
+    result = run_trace(engine, trace, scheduling, progress)
+    config = getattr(engine, "config", None)
+    executor = getattr(engine, "executor", None)
+    result.extra = {"max_num_seqs": getattr(config, "max_num_seqs", None),
+                    "num_kv_blocks": getattr(executor, "num_kv_blocks", None),
+                    "dtype": str(getattr(executor, "dtype", getattr(config, "dtype", "")))}
+    del engine
+    gc.collect()
+    return result
+
+
+# ---------------------------------------------------------------- transformers' generate
+
+def resolve_dtype(dtype: str, device: str = "auto"):
+    """The engine's own rule, so hf-static runs in the dtype the engine runs in (bf16 on a CPU
+    with native bf16, float32 on one without)."""
+    from iterserve.executor.model_runner import pick_device, pick_dtype
+    return pick_dtype(dtype, pick_device(device))
+
+
+class _StepTimes:
+    """A generate() streamer that only timestamps: put() is called once with the prompt, then
+    once per generated step with that step's tokens for the whole batch."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.monotonic())
+
+    def end(self) -> None:
+        pass
+
+
+def load_hf_model(model_path: str | None, dtype: str):
+    from transformers import AutoModelForCausalLM
+    from iterserve.model.loader import default_model_path, load_tokenizer
+    path = model_path or default_model_path()
+    torch_dtype = resolve_dtype(dtype)
+    if not path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval(), load_tokenizer(path)
+    d, f = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch_dtype)
+    except ValueError as e:  # transformers wants `accelerate` for GGUF: the same loader, by hand
+        if "accelerate" not in str(e):
+            raise
+        from transformers import AutoConfig
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d, gguf_file=f), dtype=torch_dtype)
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+        missing, _ = model.load_state_dict({k: v.to(torch_dtype) for k, v in tensors.items()}, strict=False)
+        assert set(missing) <= {"lm_head.weight"}, missing  # tied to the embedding
+        model.tie_weights()
+    return model.eval(), load_tokenizer(path)
+
+
+def run_hf_static(trace: Trace, max_num_seqs: int, model_path: str | None = None, dtype: str = "auto",
+                  progress: bool = False, model=None, tokenizer=None) -> TargetResult:
+    """The traditional framework: wait for the running batch to end, take up to max_num_seqs
+    arrived requests in arrival order, left-pad, generate the batch's longest target for all.
+
+    Timing: generate() is called with a streamer that timestamps each step, so a request's
+    token times are the real times its batch produced each of its first output_len tokens. Its
+    `finished` is when generate() returns, because that is when a batch framework hands results
+    back. TTFT is therefore honest for a caller that could stream; queue time is arrival -> batch
+    start. Tokens past a request's target are padding work and are not counted."""
+    import torch
+    if model is None:
+        model, tokenizer = load_hf_model(model_path, dtype)
+    if any(r.prompt_token_ids is None for r in trace.requests):
+        materialize_prompts(trace, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    order = sorted(trace.requests, key=lambda r: r.arrival_time)
+    seats = min(max_num_seqs, trace.concurrency or max_num_seqs)
+    bar = _progress(len(order), "hf-static", progress)
+    metrics: list[RequestMetrics] = []
+    steps: list[StepRecord] = []
+    with torch.inference_mode():  # warm up the kernels on a tiny batch, like the engine targets
+        model.generate(torch.tensor([order[0].prompt_token_ids[:8]]), max_new_tokens=2, do_sample=False,
+                       pad_token_id=pad)
+    t0, i = time.monotonic(), 0
+    while i < len(order):
+        now = time.monotonic() - t0
+        if not trace.concurrency and order[i].arrival_time > now:
+            time.sleep(order[i].arrival_time - now)
+            now = time.monotonic() - t0
+        batch = [r for r in order[i:i + seats] if trace.concurrency or r.arrival_time <= now]
+        i += len(batch)
+        longest_prompt, longest_out = max(r.prompt_len for r in batch), max(r.output_len for r in batch)
+        ids = torch.full((len(batch), longest_prompt), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(batch):
+            ids[row, longest_prompt - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
+            mask[row, longest_prompt - r.prompt_len:] = 1
+        streamer, start = _StepTimes(), time.monotonic()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=longest_out, min_new_tokens=longest_out,
+                           do_sample=False, pad_token_id=pad, streamer=streamer)
+        end = time.monotonic()
+        token_times = streamer.times[1:]  # [0] is the prompt being handed over
+        for r in batch:
+            arrival = start if trace.concurrency else t0 + r.arrival_time
+            times = RequestTimes(arrival=arrival, first_scheduled=start, first_token=token_times[0],
+                                 token_times=token_times[:r.output_len], finished=end)
+            metrics.append(request_metrics(r.request_id, r.prompt_len, r.output_len, times, t0))
+        prev = start
+        for k, t in enumerate(token_times):  # one record per generate step, for the batch plots
+            live = [r.request_id for r in batch if r.output_len > k]
+            steps.append(StepRecord(prev - t0, t - t0, len(batch), len(order) - i,
+                                    len(batch) * (longest_prompt if k == 0 else 1), 0.0,
+                                    live if k == 0 else [], [] if k == 0 else live, []))
+            prev = t
+        bar.update(len(batch))
+    bar.close()
+    by_id = {m.request_id: m for m in metrics}
+    return TargetResult("hf-static", [by_id[r.request_id] for r in trace.requests],
+                        max(m.finished for m in metrics), steps, 0,
+                        {"max_num_seqs": max_num_seqs, "dtype": str(next(model.parameters()).dtype),
+                         "kv_usage_known": False,
+                         "timing": "token times from a per-step streamer; finished = when generate() returns"})
+
+
+# ---------------------------------------------------------------- OpenAI-compatible server
+
+def parse_http_target(target: str) -> str:
+    """'http:URL' -> URL; a bare 'http://host:port' or 'https://...' is accepted as it is."""
+    if target.startswith(("http://", "https://")):
+        return target.rstrip("/")
+    if target.startswith("http:"):
+        return target[5:].rstrip("/")
+    raise ValueError(f"not an http target: {target!r} (use http:URL)")
+
+
+async def _http_model(client, url: str) -> str:
+    resp = await client.get(f"{url}/v1/models")
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+async def _http_request(client, url: str, model: str, r: TraceRequest, t0: float) -> RequestMetrics:
+    payload = {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0.0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    times = RequestTimes(arrival=time.monotonic())
+    usage = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=payload) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    usage = chunk["usage"].get("completion_tokens")
+                if chunk.get("choices"):  # one chunk per token (text may be empty mid-character)
+                    times.token_times.append(time.monotonic())
+        times.finished = time.monotonic()
+    except Exception as e:  # noqa: BLE001 - a failed request is a figure, not a crash
+        print(f"http request {r.request_id} failed: {e}", file=sys.stderr)
+    times.first_token = times.token_times[0] if times.token_times else None
+    n = usage if usage is not None else len(times.token_times)
+    m = request_metrics(r.request_id, r.prompt_len, n, times, t0)
+    m.queue = None  # the server's queue is not visible from the client
+    if times.finished is None or not times.token_times:
+        m.e2e = None
+    return m
+
+
+async def _http_run(trace: Trace, url: str, model: str | None, progress: bool, transport=None) -> TargetResult:
+    import httpx
+    limit = trace.concurrency
+    sem = asyncio.Semaphore(limit) if limit else None
+    bar = _progress(len(trace), "http", progress)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), transport=transport,
+                                 limits=httpx.Limits(max_connections=limit or len(trace))) as client:
+        model = model or await _http_model(client, url)
+        t0 = time.monotonic()
+
+        async def one(r: TraceRequest) -> RequestMetrics:
+            if not limit:
+                await asyncio.sleep(max(0.0, t0 + r.arrival_time - time.monotonic()))
+                m = await _http_request(client, url, model, r, t0)
+            else:
+                async with sem:
+                    m = await _http_request(client, url, model, r, t0)
+            bar.update(1)
+            return m
+
+        metrics = await asyncio.gather(*(one(r) for r in trace.requests))
+    bar.close()
+    end = max((m.finished for m in metrics if m.finished is not None), default=0.0)
+    return TargetResult(f"http:{url}", list(metrics), end, [], 0,
+                        {"model": model, "kv_usage_known": False,
+                         "timing": "TTFT/ITL from SSE chunk arrival; queue time not visible"})
+
+
+def run_http(trace: Trace, url: str, model: str | None = None, progress: bool = False,
+             tokenizer=None, transport=None) -> TargetResult:
+    if any(r.prompt_token_ids is None for r in trace.requests):
+        materialize_prompts(trace, tokenizer)
+    return asyncio.run(_http_run(trace, url, model, progress, transport))
+
+
+# ---------------------------------------------------------------- several targets, one report
+
+def run_targets(trace: Trace, targets: list[str], engine_kwargs: dict | None = None, progress: bool = False,
+                engine_factory: Callable[[str, dict], object] | None = None,
+                http_model: str | None = None) -> list[TargetResult]:
+    """Run the same trace through each target in turn. Prompts are materialized once, with the
+    model's tokenizer, so every target sees identical token ids."""
+    engine_kwargs = dict(engine_kwargs or {})
+    if any(r.prompt_token_ids is None for r in trace.requests):
+        tokenizer = None
+        if engine_factory is None or getattr(engine_factory, "loads_model", False):
+            from iterserve.model.loader import default_model_path, load_tokenizer
+            tokenizer = load_tokenizer(engine_kwargs.get("model") or default_model_path())
+        materialize_prompts(trace, tokenizer)
+    engine_factory = engine_factory or shared_model_engines()
+    results = []
+    for target in targets:
+        if target in ENGINE_TARGETS:
+            results.append(run_engine_target(trace, target, engine_kwargs, progress, engine_factory))
+        elif target == "hf-static":
+            results.append(run_hf_static(trace, engine_kwargs.get("max_num_seqs", 64), engine_kwargs.get("model"),
+                                         engine_kwargs.get("dtype", "auto"), progress))
+        elif target.startswith(("http:", "https:")):
+            results.append(run_http(trace, parse_http_target(target), http_model, progress))
+        else:
+            raise ValueError(f"unknown target {target!r}: use continuous, static, hf-static or http:URL")
+        gc.collect()
+    return results
+
+
+def build_report(config: dict, results: list[TargetResult], slo: Slo | None = None) -> dict:
+    targets = [summarize(r, slo) for r in results]
+    base = targets[0]["output_tokens_per_s"] if targets else 0
+    for t in targets:
+        t["ratio_to_first"] = t["output_tokens_per_s"] / base if base else None
+        if not t["extra"].get("kv_usage_known", True):
+            t["mean_kv_usage"] = t["max_kv_usage"] = None
+            t["series"]["kv_usage"] = []
+    return {"config": config, "targets": targets}
+
+
+def run_bench(trace: Trace, targets: list[str], engine_kwargs: dict | None = None, slo: Slo | None = None,
+              progress: bool = False, engine_factory: Callable[[str, dict], object] | None = None) -> dict:
+    """Python API: one trace through several targets -> the report dict that --json writes."""
+    results = run_targets(trace, targets, engine_kwargs, progress, engine_factory)
+    config = {"targets": targets, "engine": dict(engine_kwargs or {}), "trace": trace.meta,
+              "concurrency": trace.concurrency, "num_requests": len(trace)}
+    return build_report(config, results, slo)
+
+
+def format_table(report: dict) -> str:
+    """The comparison table: one row per target, ratios to the first."""
+    head = (f"{'target':<14}{'req/s':>8}{'out tok/s':>11}{'ratio':>7}{'TTFT mean':>11}{'TTFT p99':>10}"
+            f"{'TPOT mean':>11}{'ITL p99':>9}{'e2e p99':>9}{'goodput':>9}{'batch':>7}{'preempt':>9}")
+    rows = [head, "-" * len(head)]
+    f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    for t in report["targets"]:
+        rows.append(f"{t['name'][:14]:<14}{f(t['requests_per_s'], 2):>8}{f(t['output_tokens_per_s'], 1):>11}"
+                    f"{f(t['ratio_to_first'], 2):>7}{f(t['ttft_s']['mean']):>11}{f(t['ttft_s']['p99']):>10}"
+                    f"{f(t['tpot_s']['mean'], 4):>11}{f(t['itl_s']['p99'], 4):>9}{f(t['e2e_s']['p99'], 2):>9}"
+                    f"{f(t['goodput_rps'], 2):>9}{f(t['mean_batch_size'], 1):>7}{t['preemptions']:>9}")
+    return "\n".join(rows)
