@@ -42,3 +42,4 @@ class StepRecord:
     prefill_ids: list[str]  # requests that computed prompt tokens this step
     decode_ids: list[str]  # requests that decoded this step (padding rows excluded)
     preempted_ids: list[str]
+    num_prefill_tokens: int = 0  # prompt (or recomputed) tokens computed this step; the rest are decodes

@@ -19,7 +19,9 @@ SWEEPABLE = ("max-num-seqs", "request-rate", "concurrency")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="iterserve bench", description=__doc__)
     p.add_argument("--targets", default="continuous,static",
-                   help="comma list of continuous, static, hf-static, http:URL (ratios are to the first)")
+                   help="comma list of continuous, static, hf-static, http:URL (ratios are to the first); an "
+                   "engine target takes engine flags after '+', e.g. continuous+no-prefix-caching, "
+                   "continuous+preemption-mode=swap+num-kv-blocks=64")
     w = p.add_argument_group("workload")
     w.add_argument("--num-requests", type=int, default=128)
     w.add_argument("--prompt-len", type=int, default=None, help="prompt length, or its mean (default 128; "
@@ -37,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson; Gamma with --burstiness)")
     w.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape: < 1 burstier than Poisson")
     w.add_argument("--concurrency", type=int, default=None, help="closed loop: keep C requests in flight")
+    w.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="every prompt starts with the same N tokens (a system prompt; prefix caching)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--trace", default=None, help="replay this JSONL trace instead of generating one")
     w.add_argument("--save-trace", default=None, help="write the trace (with its prompt token ids) to JSONL")
@@ -79,7 +83,8 @@ def trace_from_args(args: argparse.Namespace) -> Trace:
     else:
         arrivals = "offline"
     return make_trace(args.num_requests, prompt, output, arrivals=arrivals, request_rate=args.request_rate,
-                      burstiness=args.burstiness, concurrency=args.concurrency, seed=args.seed)
+                      burstiness=args.burstiness, concurrency=args.concurrency, seed=args.seed,
+                      shared_prefix_len=args.shared_prefix_len)
 
 
 def _sigma(args: argparse.Namespace) -> dict:

@@ -125,6 +125,7 @@ def summarize(result: TargetResult, slo: Slo | None = None, per_request: bool = 
         "mean_kv_usage": float(np.mean([s.kv_usage for s in steps])) if steps else None,
         "max_kv_usage": max((s.kv_usage for s in steps), default=None),
         "preemptions": result.preemptions,
+        "prefill_tokens_computed": sum(s.num_prefill_tokens for s in steps),
         "extra": result.extra,
         "series": {  # over time, for plots and for anyone re-plotting the JSON
             "step_end_s": [round(s.end, 6) for s in steps],

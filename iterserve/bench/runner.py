@@ -363,8 +363,11 @@ def run_targets(trace: Trace, targets: list[str], engine_kwargs: dict | None = N
     engine_factory = engine_factory or shared_model_engines()
     results = []
     for target in targets:
-        if target in ENGINE_TARGETS:
-            results.append(run_engine_target(trace, target, engine_kwargs, progress, engine_factory))
+        base, overrides = parse_engine_target(target)
+        if base in ENGINE_TARGETS:
+            result = run_engine_target(trace, base, {**engine_kwargs, **overrides}, progress, engine_factory)
+            result.name = target
+            results.append(result)
         elif target == "hf-static":
             results.append(run_hf_static(trace, engine_kwargs.get("max_num_seqs", 64), engine_kwargs.get("model"),
                                          engine_kwargs.get("dtype", "auto"), progress))
@@ -374,6 +377,37 @@ def run_targets(trace: Trace, targets: list[str], engine_kwargs: dict | None = N
             raise ValueError(f"unknown target {target!r}: use continuous, static, hf-static or http:URL")
         gc.collect()
     return results
+
+
+def parse_engine_target(target: str) -> tuple[str, dict]:
+    """'continuous+no-prefix-caching+num-kv-blocks=64' -> ('continuous', {...EngineConfig fields})."""
+    if target.startswith(("http:", "https:")) or "+" not in target:
+        return target, {}
+    from iterserve.config import EngineConfig
+    base, *flags = target.split("+")
+    overrides = {}
+    for flag in flags:
+        name, has_value, value = flag.partition("=")
+        key = name.replace("-", "_")
+        if not has_value and key.startswith("no_"):
+            key, parsed = ("enable_prefix_caching" if key == "no_prefix_caching" else key[3:]), False
+        elif not has_value:
+            parsed = True
+        else:
+            parsed = _parse_value(value)
+        if key not in EngineConfig.field_names():
+            raise ValueError(f"unknown engine flag {name!r} in target {target!r}")
+        overrides[key] = parsed
+    return base, overrides
+
+
+def _parse_value(value: str):
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(value.lower(), value)
 
 
 def build_report(config: dict, results: list[TargetResult], slo: Slo | None = None) -> dict:

@@ -141,7 +141,7 @@ def arrival_times(n: int, kind: str, rate: float | None, burstiness: float, rng:
 
 def make_trace(num_requests: int, prompt: LengthDist, output: LengthDist, *, arrivals: str = "offline",
                request_rate: float | None = None, burstiness: float = 1.0, concurrency: int | None = None,
-               seed: int = 0) -> Trace:
+               seed: int = 0, shared_prefix_len: int = 0) -> Trace:
     """The same arguments and seed give the same trace, on any machine."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
@@ -152,7 +152,8 @@ def make_trace(num_requests: int, prompt: LengthDist, output: LengthDist, *, arr
     reqs = [TraceRequest(f"r{i}", prompt.sample(rng), output.sample(rng), round(times[i], 6))
             for i in range(num_requests)]
     meta = {"seed": seed, "num_requests": num_requests, "prompt": asdict(prompt), "output": asdict(output),
-            "arrivals": arrivals, "request_rate": request_rate, "burstiness": burstiness}
+            "arrivals": arrivals, "request_rate": request_rate, "burstiness": burstiness,
+            "shared_prefix_len": shared_prefix_len}
     return Trace(reqs, concurrency if arrivals == "closed" else None, meta)
 
 
@@ -182,10 +183,14 @@ def materialize_prompts(trace: Trace, tokenizer, seed: int | None = None) -> Tra
     long, at a seeded offset (wrapping round the corpus for prompts longer than it)."""
     ids = corpus_token_ids(tokenizer)
     rng = random.Random(trace.meta.get("seed", 0) if seed is None else seed)
+    # A system prompt every request starts with (prefix caching workloads); the rest is its own.
+    prefix = (ids * (trace.meta.get("shared_prefix_len", 0) // len(ids) + 1))[:trace.meta.get("shared_prefix_len", 0)]
     for r in trace.requests:
         start = rng.randrange(len(ids))
         if r.prompt_token_ids is None:
-            reps = (start + r.prompt_len) // len(ids) + 1
-            r.prompt_token_ids = (ids * reps)[start:start + r.prompt_len] if reps > 1 else ids[start:start + r.prompt_len]
+            own = max(0, r.prompt_len - len(prefix))
+            reps = (start + own) // len(ids) + 1
+            window = (ids * reps)[start:start + own] if reps > 1 else ids[start:start + own]
+            r.prompt_token_ids = (prefix + window)[:r.prompt_len]
         assert len(r.prompt_token_ids) == r.prompt_len, (r.request_id, len(r.prompt_token_ids), r.prompt_len)
     return trace

@@ -187,9 +187,15 @@ class Engine:
 
     def _record(self, plan, start: float) -> StepRecord:
         prefill, decode = [], []
+        num_prefill_tokens = 0
         for s in plan.scheduled:
-            if not s.is_padding:
-                (decode if s.output_len > 0 and s.num_new_tokens == 1 else prefill).append(s.request_id)
+            if s.is_padding:
+                continue
+            if s.output_len > 0 and len(s.token_ids) == 1:
+                decode.append(s.request_id)
+            else:
+                prefill.append(s.request_id)
+                num_prefill_tokens += len(s.token_ids)
         return StepRecord(start, self.clock(), self.scheduler.num_running, self.scheduler.num_waiting,
                           plan.num_batched_tokens, self.scheduler.kv_usage, prefill, decode,
-                          list(plan.preempted_ids))
+                          list(plan.preempted_ids), num_prefill_tokens)
