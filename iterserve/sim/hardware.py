@@ -61,6 +61,7 @@ PRESETS: dict[str, HardwareSpec] = {
 }
 
 CPU_PROFILE_ENV = "ITERSERVE_CPU_PROFILE"
+SHIPPED_CPU_PROFILE = Path(__file__).parent / "data" / "cpu-local.json"
 
 
 def default_cpu_profile_path() -> Path:
@@ -83,9 +84,8 @@ def get_hardware(name: str, profile: str | None = None) -> HardwareSpec:
         return PRESETS[name]
     if name == "cpu-local":
         path = default_cpu_profile_path()
-        if not path.is_file():
-            raise FileNotFoundError(f"no cpu-local profile at {path}: run `iterserve calibrate` first "
-                                    "(or pass --hardware-profile PATH)")
+        if not path.is_file():  # the profile calibrated on the development machine (2 cores, AVX-512)
+            path = SHIPPED_CPU_PROFILE
         return load_profile(path)
     raise ValueError(f"unknown hardware {name!r}; presets: {', '.join([*PRESETS, 'cpu-local'])}")
 
