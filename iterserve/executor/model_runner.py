@@ -2,9 +2,15 @@
 
 execute(plan): block swaps/copies -> flat inputs (loops over requests, never tokens) -> model ->
 sampler. Everything per token is built with numpy/torch ops over whole requests.
+
+On CUDA (see docs/gpu.md): attention runs through the Triton kernels (model/attention_backend.py);
+with config.use_cuda_graphs, every pure-decode step of at most max_num_seqs requests replays a CUDA
+graph captured at start-up, one per batch-size bucket (executor/cuda_graphs.py); prompt and mixed
+steps run eagerly. The KV pool is sized from the free device memory after a profiling forward pass.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -12,14 +18,19 @@ import numpy as np
 import torch
 
 from iterserve.config import EngineConfig
+from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.sampler import make_batch, sample
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
-from iterserve.model.loader import default_model_path, load_model_config, load_tokenizer, load_weights
-from iterserve.scheduler.output import SchedulerOutput, StepResult
+from iterserve.model.loader import (ModelConfig, default_model_path, load_model_config, load_tokenizer,
+                                    load_weights)
+from iterserve.sampling_params import SamplingParams
+from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
+# EngineConfig's own default: on CUDA, an unchanged kv_cache_memory means "size the pool from free memory"
+_DEFAULT_KV_MEMORY = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "kv_cache_memory")
 
 
 def pick_device(name: str) -> torch.device:
@@ -44,27 +55,96 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None,
+                 weights: dict[str, torch.Tensor] | None = None, tokenizer=None):
+        """Loads config.model. Or, given model_config and weights (HF names, already on the device in
+        the runner's dtype), builds from memory with no file: benchmarks run random-weight models
+        of any shape that way (tokenizer None: prompts must be token ids)."""
         self.config = config
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        path = config.model or default_model_path()
-        self.model_config = cfg = load_model_config(path)
-        self.tokenizer = load_tokenizer(path)
+        if weights is None:
+            path = config.model or default_model_path()
+            model_config, tokenizer = load_model_config(path), load_tokenizer(path)
+            weights = load_weights(path, model_config, self.dtype, self.device)
+        assert model_config is not None, "weights given without their model_config"
+        self.model_config = cfg = model_config
+        self.tokenizer = tokenizer
         self.eos_token_id = self._eos_id()
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         self.block_size = config.block_size
-        self.model = LlamaModel(cfg, load_weights(path, cfg, self.dtype, self.device), config.block_size,
-                                max_positions=max(self.max_model_len, cfg.max_position_embeddings))
+        self.model = LlamaModel(cfg, weights, config.block_size,
+                                max_positions=max(self.max_model_len, cfg.max_position_embeddings),
+                                quantization=config.quantization)
+        del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
         elem = torch.tensor([], dtype=self.dtype).element_size()
         self.bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        self.num_kv_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory // self.bytes_per_block)
+        self.num_kv_blocks = self._num_kv_blocks()
         self.num_host_blocks = config.swap_space // self.bytes_per_block
         self.kv_cache = self._alloc_kv(self.num_kv_blocks, self.device)
         self.host_kv_cache = self._alloc_kv(self.num_host_blocks, torch.device("cpu"))
         self._generators: dict[str, torch.Generator] = {}
+        # Captured last: the graphs hold the KV cache by address, and the pool is sized without them.
+        self.graphs: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and config.use_cuda_graphs and self.model.attention.graph_safe:
+            self.graphs = CudaGraphRunner(self.model.forward, self.kv_cache, config.max_num_seqs,
+                                          self.max_model_len, self.block_size)
+            self.graphs.capture()
+
+    # ------------------------------------------------------------ KV pool size
+
+    def _num_kv_blocks(self) -> int:
+        """num_kv_blocks if given; else kv_cache_memory on CPU or when set; else, on CUDA, profiled."""
+        c = self.config
+        if c.num_kv_blocks:
+            return c.num_kv_blocks
+        if self.device.type != "cuda" or c.kv_cache_memory != _DEFAULT_KV_MEMORY:
+            return max(1, c.kv_cache_memory // self.bytes_per_block)
+        return self._profile_kv_blocks()
+
+    def _profile_kv_blocks(self) -> int:
+        """pool = free device memory * gpu_memory_utilization - the activations' peak.
+
+        The peak is measured by one forward pass and sampling at the largest step the scheduler can
+        plan (max_num_batched_tokens prompt tokens over up to max_num_seqs requests) on a scratch
+        cache. Free memory is read after the weights are loaded and the scratch freed, so it
+        excludes the weights and includes the room the activations will need; the (1 - utilization)
+        share is left for the CUDA graphs, the allocator's fragmentation and other processes."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        plan, num_blocks = self._profile_plan()
+        with torch.inference_mode():
+            ids, pos, _, md, logits_indices = self._prepare(plan)
+            scratch = self._alloc_kv(num_blocks, dev)
+            self._sample(plan, self.model.forward(ids, pos, scratch, md, logits_indices))
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del scratch
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(dev)
+        pool = int(free * self.config.gpu_memory_utilization) - peak
+        if pool < self.bytes_per_block:
+            raise RuntimeError(f"no device memory left for the KV cache: {free / 2**30:.2f} GiB free * "
+                               f"gpu_memory_utilization {self.config.gpu_memory_utilization} - activations "
+                               f"{peak / 2**30:.2f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return pool // self.bytes_per_block
+
+    def _profile_plan(self) -> tuple[SchedulerOutput, int]:
+        """max_num_batched_tokens dummy prompt tokens split evenly over up to max_num_seqs requests."""
+        total, bs = self.config.max_num_batched_tokens, self.block_size
+        n = max(min(self.config.max_num_seqs, total), -(-total // self.max_model_len))
+        plan, used = SchedulerOutput(block_size=bs), 0
+        for i in range(n):
+            length = total // n + (i < total % n)
+            blocks = list(range(used, used + -(-length // bs)))
+            used += len(blocks)
+            plan.scheduled.append(ScheduledRequest(f"profile-{i}", [0] * length, 0, blocks, True, SamplingParams()))
+        return plan, used
 
     def _alloc_kv(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         c = self.model_config
@@ -95,9 +175,17 @@ class ModelRunner:
             return StepResult(sampled=[], logprobs=None, step_time=time.perf_counter() - t0)
         with torch.inference_mode():
             inputs = self._prepare(plan)
-            logits = self.model.forward(*inputs)
+            logits = self._run_model(*inputs)
             sampled, logprobs = self._sample(plan, logits)
         return StepResult(sampled=sampled, logprobs=logprobs, step_time=time.perf_counter() - t0)
+
+    def _run_model(self, ids, pos, kv_cache, md: AttentionMetadata, logits_indices) -> torch.Tensor:
+        """A pure-decode batch that fits a captured bucket replays its graph; anything else runs eagerly."""
+        g = self.graphs
+        if (g is not None and md.is_pure_decode and g.bucket(md.num_seqs) is not None
+                and md.block_tables.shape[1] <= g.static.block_tables.shape[1]):
+            return g.run(DecodeInputs(ids, pos, md.slot_mapping, md.seq_lens, md.block_tables))
+        return self.model.forward(ids, pos, kv_cache, md, logits_indices)
 
     def _move_blocks(self, plan: SchedulerOutput) -> None:
         """Whole blocks across all layers: kv[:, :, block] is every layer's K and V of that block."""

@@ -12,20 +12,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from iterserve.model.attention import build_plan, paged_attention
+from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.loader import ModelConfig
+from iterserve.model.quant import Weight, check_supported, linear, quantize
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 Hkv) * D, hidden]
+    qkv: Weight  # [(H + 2 Hkv) * D, hidden]; float, or int8/int4 packed (quant.py)
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight
 
 
 def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,7 +57,7 @@ def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], block_size: int,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, quantization: str | None = None):
         self.cfg, self.block_size = cfg, block_size
         w = weights
         self.dtype, self.device = w["model.embed_tokens.weight"].dtype, w["model.embed_tokens.weight"].device
@@ -64,7 +65,14 @@ class LlamaModel:
         self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
         self.norm = w["model.norm.weight"]
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        if quantization is not None:  # the embedding stays float for lookups; the LM head is packed apart
+            check_supported(quantization, self.device)
+            self.lm_head = quantize(self.lm_head, "int8")  # int8 in both modes, as the GGUF keeps it Q8_0
+            for layer in self.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    setattr(layer, name, quantize(getattr(layer, name), quantization))
         self.scale = cfg.head_dim ** -0.5
+        self.attention = attention_backend(self.device, block_size, self.dtype)  # torch or triton
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         n = max_positions or cfg.max_position_embeddings
         freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(cfg, w.get("rope_freqs")))
@@ -89,27 +97,27 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T]; kv_cache [L, 2, blocks, block_size, Hkv, D] -> float32 logits [S, vocab]."""
-        plan = build_plan(attn_metadata, self.block_size, self.dtype)
+        plan = self.attention.prepare(attn_metadata)
         cos, sin = self.cos[positions], self.sin[positions]
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = self._layer_forward(x, layer, kv_cache[i], plan, cos, sin)
         h = self._rms_norm(x.index_select(0, logits_indices), self.norm)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     __call__ = forward
 
     def _layer_forward(self, x, layer: LayerWeights, layer_cache, plan, cos, sin) -> torch.Tensor:
         t, cfg = x.shape[0], self.cfg
-        qkv = F.linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
+        qkv = linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim)
         qk = _rope(qk, cos, sin)  # q and k heads rotated in one pass
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
-        attn = paged_attention(q, k, v, layer_cache, plan, self.scale)
-        x = x + F.linear(attn.reshape(t, self.q_size), layer.o)
-        gate, up = F.linear(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        attn = self.attention.attend(q, k, v, layer_cache, plan, self.scale)
+        x = x + linear(attn.reshape(t, self.q_size), layer.o)
+        gate, up = linear(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, layer.down)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' order: normalize in float32, cast back, then scale by the weight

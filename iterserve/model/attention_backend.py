@@ -1,0 +1,73 @@
+"""Which attention implementation the model runs: the one place that decides.
+
+  torch  (attention.py): plain torch, the CPU path and the reference. Its per-step plan reads host
+         lists (seq_lens_list, ...) and builds tensors from them, so it must never be captured in
+         a CUDA graph.
+  triton (triton_attention.py): the GPU path. Reads every per-step value from device tensors, so a
+         decode step through it can be captured and replayed (graph_safe).
+
+Default: triton on a CUDA device when triton imports, torch otherwise. ITERSERVE_ATTENTION=torch|triton
+overrides it, for testing and debugging only: `triton` on CPU runs the kernels in Triton's
+interpreter (TRITON_INTERPRET=1 must be set before triton is first imported), which is how the CPU
+test suite checks the GPU path end to end through the real model; `torch` on CUDA gives an eager
+reference to compare a GPU run against.
+
+Both backends expose prepare(meta) once per step (shared by all layers) and
+attend(q, k, v, layer_cache, prepared, scale), which also writes this step's K/V into the cache.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from iterserve.model.attention import Workspace, build_plan, paged_attention
+from iterserve.model.attention_metadata import AttentionMetadata
+from iterserve.model.triton_attention import has_triton, paged_attention_triton, write_kv_triton
+
+ENV_VAR = "ITERSERVE_ATTENTION"
+
+
+class TorchAttention:
+    name = "torch"
+    graph_safe = False
+
+    def __init__(self, block_size: int, dtype: torch.dtype):
+        self.block_size, self.dtype = block_size, dtype
+        self.workspace = Workspace()  # the decode gather buffer, reused across layers and steps
+
+    def prepare(self, meta: AttentionMetadata):
+        return build_plan(meta, self.block_size, self.dtype, self.workspace)
+
+    def attend(self, q, k, v, layer_cache: torch.Tensor, plan, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, layer_cache, plan, scale)
+
+
+class TritonAttention:
+    name = "triton"
+    graph_safe = True
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return meta  # the kernels read the metadata tensors directly: nothing to precompute
+
+    def attend(self, q, k, v, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv_triton(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
+        return paged_attention_triton(q, layer_cache[0], layer_cache[1], meta, scale)
+
+
+def backend_name(device: torch.device) -> str:
+    """'triton' or 'torch' for this device, honouring the ITERSERVE_ATTENTION override."""
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced not in ("", "torch", "triton"):
+        raise ValueError(f"{ENV_VAR} must be 'torch' or 'triton', got {forced!r}")
+    if forced == "triton" and not has_triton():
+        raise RuntimeError(f"{ENV_VAR}=triton but the `triton` package does not import")
+    if forced:
+        return forced
+    return "triton" if device.type == "cuda" and has_triton() else "torch"
+
+
+def attention_backend(device: torch.device, block_size: int, dtype: torch.dtype):
+    if backend_name(device) == "triton":
+        return TritonAttention()
+    return TorchAttention(block_size, dtype)

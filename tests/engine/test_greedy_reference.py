@@ -1,0 +1,141 @@
+"""Greedy tokens of iterserve equal transformers' own model on the same GGUF, however batched.
+
+The check is vLLM's check_logprobs_close: tokens equal up to the first difference, and there
+each side's token is in the other's top-5 (a float near-tie, not a bug)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve.config import EngineConfig
+from iterserve.engine import Engine
+from iterserve.executor.model_runner import ModelRunner
+from iterserve.sampling_params import SamplingParams
+
+PROMPT_LENS = [3, 7, 16, 33, 64, 100, 180, 300]
+NEW_TOKENS = 32
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, "
+        "it was the season of Darkness, it was the spring of hope, it was the winter of despair, we had "
+        "everything before us, we had nothing before us, we were all going direct to Heaven, we were all going "
+        "direct the other way. Call me Ishmael. Some years ago, never mind how long precisely, having little or "
+        "no money in my purse, and nothing particular to interest me on shore, I thought I would sail about a "
+        "little and see the watery part of the world. Happy families are all alike; every unhappy family is "
+        "unhappy in its own way. It is a truth universally acknowledged, that a single man in possession of a "
+        "good fortune, must be in want of a wife. In a hole in the ground there lived a creature. The sun shone, "
+        "having no alternative, on the nothing new. ") * 3
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    return [ids[7 * i: 7 * i + n] for i, n in enumerate(PROMPT_LENS)]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_reference_model, prompts):
+    """transformers' view of a run: teacher-forced on our tokens, its greedy choice and top-5 at each
+    step. Up to the first difference this *is* transformers' own greedy generation, and at that
+    difference it is the token transformers would pick, so it is all check_logprobs_close needs
+    (one forward per prompt instead of a 32-step generate)."""
+    def view(ours):
+        out = []
+        with torch.inference_mode():
+            for p, (tokens, _) in zip(prompts, ours):
+                logits = hf_reference_model(torch.tensor([p + tokens[:-1]])).logits[0, len(p) - 1:]
+                out.append((logits.argmax(-1).tolist(), [set(r.tolist()) for r in torch.topk(logits, 5).indices]))
+        return out
+    return view
+
+
+@pytest.fixture(scope="module")
+def runner_fp32():
+    return ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=256))
+
+
+def generate(runner, prompts, one_at_a_time=False, num_tokens=NEW_TOKENS, **config):
+    """iterserve's greedy tokens and per-step top-5; also returns the engine for inspection."""
+    engine = Engine(EngineConfig(dtype="float32", **config), executor=runner)
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5)
+    results: dict[str, tuple[list[int], list[set[int]]]] = {}
+    groups = [[i] for i in range(len(prompts))] if one_at_a_time else [list(range(len(prompts)))]
+    for group in groups:
+        for i in group:
+            engine.add_request(prompts[i], params, request_id=str(i))
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    results[o.request_id] = (o.token_ids, [{t for t, _ in lp.top} for lp in o.logprobs])
+    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.num_blocks
+    return [results[str(i)] for i in range(len(prompts))], engine
+
+
+def close(a, b, n: int) -> bool:
+    """vLLM's check_logprobs_close on (tokens, top-5 sets) pairs, over the first n tokens."""
+    assert len(a[0]) >= n and len(b[0]) >= n
+    (ta, top_a), (tb, top_b) = a, b
+    for i in range(n):
+        if ta[i] != tb[i]:
+            return ta[i] in top_b[i] and tb[i] in top_a[i]
+    return True
+
+
+def diverged(a, b, n: int) -> bool:
+    return a[0][:n] != b[0][:n]
+
+
+def assert_close_all(ours, theirs, n=NEW_TOKENS, max_diverged=1):
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert close(a, b, n), f"prompt {i} ({PROMPT_LENS[i]} tokens): {a[0][:n]} vs {b[0][:n]}"
+    assert sum(diverged(a, b, n) for a, b in zip(ours, theirs)) <= max_diverged
+
+
+@pytest.fixture(scope="module")
+def single(runner_fp32, prompts):
+    return generate(runner_fp32, prompts, one_at_a_time=True)[0]
+
+
+def test_one_at_a_time_matches_transformers(single, reference):
+    assert_close_all(single, reference(single))
+
+
+def test_batched_matches(runner_fp32, prompts, single, reference):
+    batched, _ = generate(runner_fp32, prompts)
+    assert_close_all(batched, reference(batched))
+    assert_close_all(batched, single)
+
+
+def test_chunked_prefill_matches(runner_fp32, prompts, single, reference):
+    chunked, engine = generate(runner_fp32, prompts, max_num_batched_tokens=48)
+    assert max(r.num_batched_tokens for r in engine.step_records) <= 48
+    assert_close_all(chunked, reference(chunked))
+    assert_close_all(chunked, single)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_matches(runner_fp32, prompts, single, reference, mode):
+    preempted, engine = generate(runner_fp32, prompts, num_kv_blocks=22, preemption_mode=mode)
+    assert engine.num_preemptions > 0, "the pool was meant to force preemption"
+    assert_close_all(preempted, reference(preempted))
+    assert_close_all(preempted, single)
+
+
+def test_prefix_cache_hits_give_the_same_tokens(runner_fp32, prompts, single):
+    engine_outputs, engine = generate(runner_fp32, prompts + prompts)  # the second copy hits the cache
+    assert engine.scheduler.kv.num_prefix_hits > 0
+    assert_close_all(engine_outputs[len(prompts):], single)
+
+
+def test_bfloat16_matches_for_eight_tokens(prompts, reference):
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", num_kv_blocks=128))
+    engine = Engine(EngineConfig(dtype="bfloat16"), executor=runner)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    got = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = (o.token_ids, [{t for t, _ in lp.top} for lp in o.logprobs])
+    ours = [got[str(i)] for i in range(len(prompts))]
+    assert_close_all(ours, reference(ours), n=8)
