@@ -26,7 +26,7 @@ class EngineConfig:
     quantization: str | None = None  # None | int8 | int4 (CPU weight-only)
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    kv_cache_memory: int = 1 << 30
+    kv_cache_memory: int | None = None  # bytes; None: 1 GiB on CPU, free memory x utilization on CUDA
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64
@@ -49,7 +49,8 @@ class EngineConfig:
     use_cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
-        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         self.swap_space = parse_bytes(self.swap_space)
         choices = {"dtype": ("auto", "float32", "bfloat16", "float16"),
                    "scheduling": ("continuous", "static"),

@@ -14,7 +14,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["int8", "int4"])
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30, help="bytes of KV cache, e.g. 2GiB")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="bytes of KV cache, e.g. 2GiB (default: 1GiB on CPU; free memory on CUDA)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)

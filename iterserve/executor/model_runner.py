@@ -10,7 +10,6 @@ steps run eagerly. The KV pool is sized from the free device memory after a prof
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -29,8 +28,7 @@ from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepRe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
-# EngineConfig's own default: on CUDA, an unchanged kv_cache_memory means "size the pool from free memory"
-_DEFAULT_KV_MEMORY = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "kv_cache_memory")
+CPU_KV_MEMORY = 1 << 30  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory is given
 
 
 def pick_device(name: str) -> torch.device:
@@ -100,8 +98,8 @@ class ModelRunner:
         c = self.config
         if c.num_kv_blocks:
             return c.num_kv_blocks
-        if self.device.type != "cuda" or c.kv_cache_memory != _DEFAULT_KV_MEMORY:
-            return max(1, c.kv_cache_memory // self.bytes_per_block)
+        if self.device.type != "cuda" or c.kv_cache_memory is not None:
+            return max(1, (c.kv_cache_memory or CPU_KV_MEMORY) // self.bytes_per_block)
         return self._profile_kv_blocks()
 
     def _profile_kv_blocks(self) -> int:

@@ -78,7 +78,7 @@ def make_executor(config: EngineConfig, model, hw, tp: int = 1, gpu_memory_utili
                              max_num_batched_tokens=config.max_num_batched_tokens,
                              max_num_seqs=config.max_num_seqs, num_host_blocks=num_host,
                              max_model_len=config.max_model_len, clock=clock,
-                             kv_cache_memory=config.kv_cache_memory)
+                             kv_cache_memory=config.kv_cache_memory or (1 << 30))
 
 
 def make_engine(config: EngineConfig, model, hw, tp: int = 1, gpu_memory_utilization: float = 0.9):
