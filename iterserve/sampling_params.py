@@ -5,6 +5,9 @@ import math
 from dataclasses import dataclass, field
 
 
+MAX_N = 64  # most parallel sequences one request may ask for
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -47,8 +50,8 @@ class SamplingParams:
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
-        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
-            raise bad("n", f"must be an integer in [1, 64], got {self.n!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s or len(s) > 1024 for s in self.stop):
             raise bad("stop", "must be at most 16 non-empty strings of at most 1024 characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -12,7 +12,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine.detokenizer import Detokenizer
 from iterserve.outputs import RequestOutput, StepRecord
 from iterserve.request import Request, RequestStatus, RequestTimes
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import MAX_N, SamplingParams
 from iterserve.scheduler.output import StepResult, TokenLogprobs
 from iterserve.scheduler.scheduler import Scheduler
 
@@ -100,12 +100,10 @@ class Engine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all n of its sequences); returns sequence 0's final output."""
         first = self._finish(request_id, RequestStatus.FINISHED_ABORTED)
-        k = 1
-        while self.sequence_id(request_id, k) in self.states:
+        for k in range(1, MAX_N):  # siblings finish in any order: look at every possible one
             sid = self.sequence_id(request_id, k)
-            if self._finish(sid, RequestStatus.FINISHED_ABORTED) is None:
+            if sid in self.states and self._finish(sid, RequestStatus.FINISHED_ABORTED) is None:
                 self.states.pop(sid, None)  # never forked: nothing to free
-            k += 1
         return first
 
     def has_unfinished(self) -> bool:
@@ -166,11 +164,10 @@ class Engine:
 
     def _drop_unforked(self, request_id: str) -> None:
         """Sibling sequences that never forked (their parent failed first) have nothing to report."""
-        k = 1
-        while (sid := self.sequence_id(request_id, k)) in self.states:
-            if sid not in self.scheduler.requests:
+        for k in range(1, MAX_N):
+            sid = self.sequence_id(request_id, k)
+            if sid in self.states and sid not in self.scheduler.requests:
                 self.states.pop(sid, None)
-            k += 1
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> RequestOutput | None:
         request = self.scheduler.finish_request(request_id, status)

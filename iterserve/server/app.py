@@ -17,13 +17,16 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import iterserve
 from iterserve.outputs import RequestOutput
-from iterserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from iterserve.server.async_engine import (
+    AsyncEngine, EngineDeadError, QueueFullError, RequestStream, RequestTimeoutError,
+)
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -33,6 +36,9 @@ from iterserve.server.protocol import (
 )
 
 logger = logging.getLogger("iterserve.server")
+
+# What can end a stream early besides the request's own outputs; each carries its HTTP status and type.
+_STREAM_ERRORS = (EngineDeadError, RequestTimeoutError)
 
 
 class ApiError(Exception):
@@ -48,7 +54,8 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
 
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20, metrics: ServerMetrics | None = None) -> FastAPI:
+              max_request_bytes: int = 1 << 20, metrics: ServerMetrics | None = None,
+              allowed_origins: list[str] | None = None) -> FastAPI:
     metrics = metrics or ServerMetrics(served_model_name)
     async_engine.on_step = metrics.on_step
     engine = async_engine.engine
@@ -118,7 +125,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         except QueueFullError as e:
             raise ApiError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from e
         except EngineDeadError as e:
-            raise ApiError(503, str(e), "engine_dead") from e
+            raise ApiError(e.status, str(e), e.type) from e
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -132,12 +139,12 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         created, model = int(time.time()), served_model_name
         if body.stream:
             return _SSEResponse(stream, _completion_chunks(stream, created, model, body.include_usage, tokenizer))
-        out = await _collect(stream, request)
+        outs = await _collect(stream, request)
         return CompletionResponse(
-            id=stream.request_id, created=created, model=model, usage=_usage(out),
-            choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason,
+            id=stream.request_id, created=created, model=model, usage=_usage(outs),
+            choices=[CompletionChoice(index=out.index, text=out.text, finish_reason=out.finish_reason,
                                       logprobs=_completion_logprobs(out.logprobs, out.token_ids, tokenizer)
-                                      if params.logprobs is not None else None)])
+                                      if params.logprobs is not None else None) for out in outs])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -155,15 +162,20 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         stream = await start(prompt, body, params)
         created, model = int(time.time()), served_model_name
         if body.stream:
-            return _SSEResponse(stream, _chat_chunks(stream, created, model, body.include_usage, tokenizer))
-        out = await _collect(stream, request)
+            return _SSEResponse(stream, _chat_chunks(stream, created, model, body.include_usage, tokenizer,
+                                                     params.n))
+        outs = await _collect(stream, request)
         return ChatCompletionResponse(
-            id=stream.request_id, created=created, model=model, usage=_usage(out),
-            choices=[ChatChoice(message=ResponseMessage(content=out.text), finish_reason=out.finish_reason,
+            id=stream.request_id, created=created, model=model, usage=_usage(outs),
+            choices=[ChatChoice(index=out.index, message=ResponseMessage(content=out.text),
+                                finish_reason=out.finish_reason,
                                 logprobs=_chat_logprobs(out.logprobs, out.token_ids, tokenizer)
-                                if params.logprobs is not None else None)])
+                                if params.logprobs is not None else None) for out in outs])
 
     app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes)
+    if allowed_origins:  # off by default; outside the guard, so preflights need no API key
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
     return app
 
 
@@ -173,8 +185,9 @@ def _new_id() -> str:
     return uuid.uuid4().hex[:24]
 
 
-def _usage(out: RequestOutput) -> Usage:
-    return Usage.of(out.num_prompt_tokens, len(out.token_ids))
+def _usage(outs: list[RequestOutput]) -> Usage:
+    """The prompt once, however many choices share it; every choice's completion tokens."""
+    return Usage.of(outs[0].num_prompt_tokens, sum(len(o.token_ids) for o in outs))
 
 
 def _check_error(out: RequestOutput) -> None:
@@ -182,13 +195,14 @@ def _check_error(out: RequestOutput) -> None:
         raise ApiError(500, f"generation failed: {out.error}", "internal_error")
 
 
-async def _collect(stream: RequestStream, request: Request) -> RequestOutput:
-    """The final output, or an abort if the client disconnects first (no one is waiting for it)."""
-    async def last() -> RequestOutput:
-        final = None
+async def _collect(stream: RequestStream, request: Request) -> list[RequestOutput]:
+    """The final output of each sequence (by index), or an abort if the client disconnects first."""
+    async def last() -> list[RequestOutput]:
+        final: dict[int, RequestOutput] = {}
         async for out in stream:
-            final = out
-        return final
+            _check_error(out)
+            final[out.index] = out
+        return [final[k] for k in sorted(final)]
 
     task = asyncio.ensure_future(last())
     gone = asyncio.ensure_future(_disconnected(request))
@@ -201,11 +215,9 @@ async def _collect(stream: RequestStream, request: Request) -> RequestOutput:
         stream.engine.abort(stream.request_id)
         raise ApiError(499, "client disconnected", "client_closed_request")
     try:
-        out = task.result()
-    except EngineDeadError as e:
-        raise ApiError(503, str(e), "engine_dead") from e
-    _check_error(out)
-    return out
+        return task.result()
+    except _STREAM_ERRORS as e:
+        raise ApiError(e.status, str(e), e.type) from e
 
 
 async def _disconnected(request: Request) -> None:
@@ -255,73 +267,90 @@ class _TextFrame:
         return self.head + json.dumps(text, ensure_ascii=False) + self.tail
 
 
-async def _stream_outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
-    async for out in stream:
-        _check_error(out)
-        yield out
+class _Frames(dict):
+    """The text frame of each choice index, built on first use."""
+
+    def __init__(self, template) -> None:
+        super().__init__()
+        self.template = template  # index -> a response whose one choice has that index and _SENTINEL text
+
+    def __missing__(self, index: int) -> _TextFrame:
+        self[index] = frame = _TextFrame(self.template(index))
+        return frame
 
 
-async def _completion_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
-                             tokenizer) -> AsyncIterator[str]:
-    text_frame = _TextFrame(CompletionResponse(id=stream.request_id, created=created, model=model,
-                                               choices=[CompletionChoice(text=_SENTINEL)]))
-    sent_lp = 0
-    final = None
+async def _stream_errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream that ends in an error says so in an SSE error event, then [DONE] (the status is sent)."""
     try:
-        async for out in _stream_outputs(stream):
-            final = out
-            lp = None
-            if out.logprobs and len(out.logprobs) > sent_lp:
-                lp = _completion_logprobs(out.logprobs[sent_lp:], out.token_ids[sent_lp:], tokenizer)
-                sent_lp = len(out.logprobs)
-            if out.new_text and lp is None and not out.finished:
-                yield text_frame(out.new_text)
-            elif out.new_text or lp or out.finished:
-                yield _sse(CompletionResponse(id=stream.request_id, created=created, model=model, choices=[
-                    CompletionChoice(text=out.new_text, logprobs=lp,
-                                     finish_reason=out.finish_reason if out.finished else None)]))
+        async for chunk in chunks:
+            yield chunk
     except ApiError as e:
         yield _sse_error(e, e.status, e.type)
-    except EngineDeadError as e:
-        yield _sse_error(e, 503, "engine_dead")
-    if include_usage and final is not None:
-        yield _sse(CompletionResponse(id=stream.request_id, created=created, model=model, choices=[],
-                                      usage=_usage(final)))
+    except _STREAM_ERRORS as e:
+        yield _sse_error(e, e.status, e.type)
     yield "data: [DONE]\n\n"
 
 
-async def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
+def _new_logprobs(out: RequestOutput, sent: dict[int, int], convert, tokenizer):
+    """The logprobs of tokens not yet sent for this choice, or None."""
+    done = sent.get(out.index, 0)
+    if not out.logprobs or len(out.logprobs) <= done:
+        return None
+    sent[out.index] = len(out.logprobs)
+    return convert(out.logprobs[done:], out.token_ids[done:], tokenizer)
+
+
+def _completion_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
                        tokenizer) -> AsyncIterator[str]:
-    def chunk(delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> str:
-        return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[
-            ChatChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)]))
+    def response(choices, usage=None) -> CompletionResponse:
+        return CompletionResponse(id=stream.request_id, created=created, model=model, choices=choices, usage=usage)
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
-    text_frame = _TextFrame(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[
-        ChatChunkChoice(delta=DeltaMessage(content=_SENTINEL))]))
-    sent_lp = 0
-    final = None
-    try:
-        async for out in _stream_outputs(stream):
-            final = out
-            lp = None
-            if out.logprobs and len(out.logprobs) > sent_lp:
-                lp = _chat_logprobs(out.logprobs[sent_lp:], out.token_ids[sent_lp:], tokenizer)
-                sent_lp = len(out.logprobs)
+    async def chunks():
+        frames = _Frames(lambda i: response([CompletionChoice(index=i, text=_SENTINEL)]))
+        sent_lp: dict[int, int] = {}
+        final: dict[int, RequestOutput] = {}
+        async for out in stream:
+            _check_error(out)
+            final[out.index] = out
+            lp = _new_logprobs(out, sent_lp, _completion_logprobs, tokenizer)
+            if out.new_text and lp is None and not out.finished:
+                yield frames[out.index](out.new_text)
+            elif out.new_text or lp or out.finished:
+                yield _sse(response([CompletionChoice(index=out.index, text=out.new_text, logprobs=lp,
+                                                      finish_reason=out.finish_reason if out.finished else None)]))
+        if include_usage and final:
+            yield _sse(response([], _usage(list(final.values()))))
+    return _stream_errors_as_events(chunks())
+
+
+def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
+                 tokenizer, n: int) -> AsyncIterator[str]:
+    def response(choices, usage=None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=choices, usage=usage)
+
+    def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None, logprobs=None) -> str:
+        return _sse(response([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                              logprobs=logprobs)]))
+
+    async def chunks():
+        for k in range(n):
+            yield chunk(k, DeltaMessage(role="assistant", content=""))
+        frames = _Frames(lambda i: response([ChatChunkChoice(index=i, delta=DeltaMessage(content=_SENTINEL))]))
+        sent_lp: dict[int, int] = {}
+        final: dict[int, RequestOutput] = {}
+        async for out in stream:
+            _check_error(out)
+            final[out.index] = out
+            lp = _new_logprobs(out, sent_lp, _chat_logprobs, tokenizer)
             if out.new_text and lp is None:
-                yield text_frame(out.new_text)
+                yield frames[out.index](out.new_text)
             elif out.new_text or lp:
-                yield chunk(DeltaMessage(content=out.new_text), logprobs=lp)
+                yield chunk(out.index, DeltaMessage(content=out.new_text), logprobs=lp)
             if out.finished:
-                yield chunk(DeltaMessage(), out.finish_reason)
-    except ApiError as e:
-        yield _sse_error(e, e.status, e.type)
-    except EngineDeadError as e:
-        yield _sse_error(e, 503, "engine_dead")
-    if include_usage and final is not None:
-        yield _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=[],
-                                       usage=_usage(final)))
-    yield "data: [DONE]\n\n"
+                yield chunk(out.index, DeltaMessage(), out.finish_reason)
+        if include_usage and final:
+            yield _sse(response([], _usage(list(final.values()))))
+    return _stream_errors_as_events(chunks())
 
 
 def _token_text(tokenizer, token_id: int) -> str:

@@ -25,10 +25,20 @@ logger = logging.getLogger("iterserve.server")
 
 class EngineDeadError(RuntimeError):
     """The engine loop has died; no request can be served until the server restarts."""
+    status, type = 503, "engine_dead"
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at --max-waiting-requests; the client should retry later."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past --request-timeout; it was aborted and its KV blocks freed."""
+    status, type = 504, "timeout"
+
+
+# With no --max-waiting-requests the queue is still bounded: a flood gets 503s, not unbounded memory.
+DEFAULT_MAX_WAITING_REQUESTS = 4096
 
 
 @dataclass(slots=True)
@@ -39,6 +49,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     arrival_time: float
+    n: int
     stream: "RequestStream"
     accepted: asyncio.Future  # resolved on the engine thread: None, or the exception add raised
 
@@ -50,12 +61,18 @@ class _Abort:
 
 @dataclass(slots=True, eq=False)
 class RequestStream:
-    """The outputs of one request, in order; iterate with `async for`. Closing it early aborts."""
+    """The outputs of one request, in order; iterate with `async for`. Closing it early aborts.
+
+    A request with n > 1 sequences yields the outputs of all of them, interleaved; each carries
+    its sequence's `index`. The stream ends when the engine thread says the request is done."""
 
     request_id: str
     engine: "AsyncEngine"
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    n: int = 1  # engine thread only: the request's sequences
+    unfinished: int = 1  # engine thread only: sequences still running
+    deadline: float | None = None  # engine thread only: monotonic time of --request-timeout
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -66,12 +83,11 @@ class RequestStream:
                 items = [await self.queue.get()]
                 while not self.queue.empty():  # a consumer that fell behind catches up in one yield
                     items.append(self.queue.get_nowait())
-                outputs = [i for i in items if not isinstance(i, BaseException)]
-                if outputs:
-                    out = _merge(outputs)
-                    self.finished = out.finished
-                    yield out
                 errors = [i for i in items if isinstance(i, BaseException)]
+                if any(i is _END for i in items) and not errors:
+                    self.finished = True  # before the last yield: a consumer may stop after it
+                for out in _merge([i for i in items if isinstance(i, RequestOutput)]):
+                    yield out
                 if errors and not self.finished:
                     self.finished = True
                     raise errors[0]
@@ -81,23 +97,31 @@ class RequestStream:
                 self.engine.abort(self.request_id)
 
 
-def _merge(outputs: list[RequestOutput]) -> RequestOutput:
-    """Several step outputs of one request as one: the deltas joined, the rest from the latest."""
-    if len(outputs) == 1:
-        return outputs[0]
-    last = outputs[-1]
-    last.new_text = "".join(o.new_text for o in outputs)
-    last.new_token_ids = [t for o in outputs for t in o.new_token_ids]
-    return last
+_END = "end"  # queued after a request's last output
+
+
+def _merge(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Several step outputs as one per sequence: the deltas joined, the rest from the latest."""
+    if len(outputs) <= 1:
+        return outputs
+    latest: dict[int, RequestOutput] = {}
+    for out in outputs:
+        prev = latest.get(out.index)
+        if prev is not None:
+            out.new_text = prev.new_text + out.new_text
+            out.new_token_ids = prev.new_token_ids + out.new_token_ids
+        latest[out.index] = out
+    return list(latest.values())
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine, *, max_waiting_requests: int | None = None,
-                 log_interval: float = 10.0,
+                 request_timeout: float | None = None, log_interval: float = 10.0,
                  on_step: Callable[[Engine, list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
-        self.max_waiting_requests = (engine.config.max_waiting_requests
-                                     if max_waiting_requests is None else max_waiting_requests)
+        self.max_waiting_requests = next(x for x in (max_waiting_requests, engine.config.max_waiting_requests,
+                                                     DEFAULT_MAX_WAITING_REQUESTS) if x is not None)
+        self.request_timeout = request_timeout  # seconds from arrival; None: no limit
         self.log_interval = log_interval
         self.on_step = on_step  # called on the engine thread after every step (metrics)
         self.dead: BaseException | None = None
@@ -106,6 +130,7 @@ class AsyncEngine:
         self._stop = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._deadlines: deque[RequestStream] = deque()  # engine thread only; arrival order = deadline order
         self._thread: threading.Thread | None = None
         self._status = _StatusLine(log_interval)
 
@@ -120,6 +145,11 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests the engine thread still delivers to (a leak check: 0 when idle)."""
+        return len(self._streams)
 
     @property
     def is_alive(self) -> bool:
@@ -139,7 +169,10 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self)
         accepted = self._loop.create_future()
-        self._submit(_Add(request_id, prompt, params, priority, cache_salt, time.monotonic(), stream, accepted))
+        self._submit(_Add(request_id, prompt, params, priority, cache_salt, time.monotonic(), params.n,
+                          stream, accepted))
+        if self.dead is not None and not accepted.done():  # died after our check: no one will answer
+            accepted.set_result(EngineDeadError(f"the engine loop has died: {self.dead!r}"))
         try:
             error = await accepted
         except asyncio.CancelledError:
@@ -170,6 +203,7 @@ class AsyncEngine:
             while not self._stop:
                 self._wake.clear()  # before draining: a command queued after the drain re-sets it
                 self._drain_commands()
+                self._expire()
                 if not self.engine.has_unfinished():
                     self._status.idle()
                     self._wake.wait()
@@ -188,41 +222,69 @@ class AsyncEngine:
         while self._commands:
             command = self._commands.popleft()
             if isinstance(command, _Abort):
-                out = self.engine.abort_request(command.request_id)
-                stream = self._streams.pop(command.request_id, None)
-                if out is not None:
-                    log_finished(out)
-                    if self.on_step is not None:
-                        self.on_step(self.engine, [out])  # counted as aborted
-                    if stream is not None:
-                        self._post([(stream, out)])
+                self._abort(command.request_id)
             else:
                 self._add(command)
+
+    def _abort(self, request_id: str, error: BaseException | None = None) -> None:
+        stream = self._streams.pop(request_id, None)
+        # Each sequence by its own id: Engine.abort_request(parent) stops at the first finished one.
+        outs = [out for k in range(stream.n if stream else 1)
+                if (out := self.engine.abort_request(Engine.sequence_id(request_id, k))) is not None]
+        for out in outs:
+            log_finished(out)
+        if outs and self.on_step is not None:
+            self.on_step(self.engine, outs)  # counted as aborted
+        if stream is not None:
+            self._post([(stream, error)] if error else [(stream, out) for out in outs] + [(stream, _END)])
 
     def _add(self, c: _Add) -> None:
         error: BaseException | None = None
         if c.stream.finished:  # the caller gave up before we got here
             return
-        if self.max_waiting_requests is not None and self.engine.scheduler.num_waiting >= self.max_waiting_requests:
+        if self.engine.scheduler.num_waiting >= self.max_waiting_requests:
             error = QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
         else:
             try:
                 self.engine.add_request(c.prompt, c.params, c.request_id, c.arrival_time,
                                         priority=c.priority, cache_salt=c.cache_salt)
+                c.stream.n = c.stream.unfinished = c.n
                 self._streams[c.request_id] = c.stream
+                if self.request_timeout is not None:
+                    c.stream.deadline = c.arrival_time + self.request_timeout
+                    self._deadlines.append(c.stream)
             except ValueError as exc:
                 error = exc
         self._loop.call_soon_threadsafe(_resolve, c.accepted, error)
 
+    def _expire(self) -> None:
+        """Abort the requests past --request-timeout; their streams end with RequestTimeoutError."""
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0].deadline <= now:
+            stream = self._deadlines.popleft()
+            if self._streams.get(stream.request_id) is stream:
+                self._abort(stream.request_id, RequestTimeoutError(
+                    f"the request ran past the server's {self.request_timeout:g}s timeout and was aborted"))
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         batch = []
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            request_id = out.parent_id or out.request_id
+            stream = self._streams.get(request_id)
             if out.finished:
-                self._streams.pop(out.request_id, None)
                 log_finished(out)
-            if stream is not None:
-                batch.append((stream, out))
+            if stream is None:
+                continue
+            batch.append((stream, out))
+            if out.finish_reason == "error":  # one failed sequence fails the request: stop its siblings
+                self._post(batch)
+                batch = []
+                self._abort(request_id)
+            elif out.finished:
+                stream.unfinished -= 1
+                if stream.unfinished == 0:
+                    del self._streams[request_id]
+                    batch.append((stream, _END))
         if batch:
             self._post(batch)
 

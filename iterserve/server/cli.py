@@ -19,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' on /v1/ routes (env ITERSERVE_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: file name)")
     parser.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20, help="larger bodies get a 413")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="abort a request (and free its KV blocks) this many seconds after arrival")
+    parser.add_argument("--allowed-origins", default=None,
+                        help="comma-separated origins allowed by CORS, or '*' (default: CORS off)")
     parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     parser.add_argument("--access-log", action="store_true", help="also log uvicorn's per-request access line")
     add_engine_args(parser)
@@ -44,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     engine = Engine(config)
     name = args.served_model_name or served_name(config.model)
-    async_engine = AsyncEngine(engine, log_interval=args.log_interval)
-    app = build_app(async_engine, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    async_engine = AsyncEngine(engine, request_timeout=args.request_timeout, log_interval=args.log_interval)
+    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
+    app = build_app(async_engine, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                    allowed_origins=origins)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", name, args.host, args.port,

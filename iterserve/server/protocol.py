@@ -43,8 +43,6 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
 
     def sampling_params(self, default_max_tokens: int, num_logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError("n must be 1: this server returns one choice per request")
         if self.presence_penalty or self.frequency_penalty:
             raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -53,7 +51,7 @@ class _SamplingRequest(BaseModel):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=num_logprobs, skip_special_tokens=self.skip_special_tokens)
+            logprobs=num_logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens)
 
     @property
     def include_usage(self) -> bool:

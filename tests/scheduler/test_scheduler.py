@@ -2,6 +2,7 @@ import pytest
 
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
+from iterserve.request import RequestStatus
 from iterserve.sampling_params import SamplingParams
 from tests.fake_executor import FakeExecutor
 from tests.scheduler.test_scheduler_properties import reference_output
@@ -163,6 +164,18 @@ def test_abort_of_a_parallel_request_aborts_every_sequence():
     engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=50, n=4), request_id="p")
     engine.step()
     engine.step()
+    engine.abort_request("p")
+    assert not engine.has_unfinished() and not engine.states
+    assert engine.scheduler.kv.pool.num_free_blocks == 32
+
+
+def test_abort_reaches_siblings_after_one_has_finished():
+    engine = Engine(EngineConfig(block_size=4), executor=FakeExecutor(num_kv_blocks=32, block_size=4))
+    engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=50, n=3), request_id="p")
+    engine.step()
+    engine.step()
+    engine.scheduler.finish_request("p#1", RequestStatus.FINISHED_STOPPED)  # sibling 1 ends early
+    engine.states.pop("p#1")
     engine.abort_request("p")
     assert not engine.has_unfinished() and not engine.states
     assert engine.scheduler.kv.pool.num_free_blocks == 32

@@ -55,9 +55,11 @@ class Server:
 
 
 def start_server(engine: Engine, api_key: str | None = None, max_request_bytes: int = 1 << 20,
-                 max_waiting_requests: int | None = None, model: str = MODEL) -> Server:
-    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
-    app = build_app(async_engine, model, api_key=api_key, max_request_bytes=max_request_bytes)
+                 max_waiting_requests: int | None = None, model: str = MODEL,
+                 request_timeout: float | None = None, allowed_origins: list[str] | None = None) -> Server:
+    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, request_timeout=request_timeout)
+    app = build_app(async_engine, model, api_key=api_key, max_request_bytes=max_request_bytes,
+                    allowed_origins=allowed_origins)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # our own socket: a free port with no race
@@ -78,9 +80,25 @@ def wait_for(cond, timeout: float, message: str = "condition not met", interval:
     raise AssertionError(f"{message} within {timeout}s")
 
 
-def fake_engine(tokenizer, step_delay: float = 0.0, max_num_seqs: int = 64, num_kv_blocks: int = 1024) -> Engine:
+def fake_engine(tokenizer, step_delay: float = 0.0, max_num_seqs: int = 64, num_kv_blocks: int = 1024,
+                wrap=None) -> Engine:
+    """`wrap(executor)` may wrap the fake executor (fault injection)."""
     executor = TextFakeExecutor(tokenizer, step_delay, num_kv_blocks=num_kv_blocks, max_model_len=2048)
-    return Engine(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096), executor)
+    return Engine(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096),
+                  wrap(executor) if wrap else executor)
+
+
+def leaks(server: Server) -> dict[str, int]:
+    """What an idle server must hold none of: KV blocks, scheduler requests, engine text states,
+    open request streams. All zero when idle (read from the test thread: a snapshot)."""
+    engine = server.async_engine.engine
+    s = engine.scheduler
+    return {"kv_blocks_used": s.kv.pool.num_blocks - s.kv.pool.num_free_blocks, "scheduler_requests": len(s.requests), "engine_states": len(engine.states),
+            "open_streams": server.async_engine.num_open_requests}
+
+
+def no_leaks(server: Server) -> bool:
+    return not any(leaks(server).values())
 
 
 def metric(text: str, name: str, **labels) -> float:
