@@ -53,12 +53,14 @@ def runner_fp32():
     return ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=256))
 
 
-def generate(runner, prompts, one_at_a_time=False, num_tokens=NEW_TOKENS, **config):
-    """iterserve's greedy tokens and per-step top-5; also returns the engine for inspection."""
+def generate(runner, prompts, one_at_a_time=False, num_tokens=NEW_TOKENS, groups=None, **config):
+    """iterserve's greedy tokens and per-step top-5; also returns the engine for inspection.
+    Prompts run all together, one at a time, or in the given groups (each group to completion)."""
     engine = Engine(EngineConfig(dtype="float32", **config), executor=runner)
     params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True, logprobs=5)
     results: dict[str, tuple[list[int], list[set[int]]]] = {}
-    groups = [[i] for i in range(len(prompts))] if one_at_a_time else [list(range(len(prompts)))]
+    if groups is None:
+        groups = [[i] for i in range(len(prompts))] if one_at_a_time else [list(range(len(prompts)))]
     for group in groups:
         for i in group:
             engine.add_request(prompts[i], params, request_id=str(i))
@@ -121,7 +123,8 @@ def test_preempted_matches(runner_fp32, prompts, single, reference, mode):
 
 
 def test_prefix_cache_hits_give_the_same_tokens(runner_fp32, prompts, single):
-    engine_outputs, engine = generate(runner_fp32, prompts + prompts)  # the second copy hits the cache
+    n = len(prompts)  # the second round runs after the first has freed (and cached) its blocks
+    engine_outputs, engine = generate(runner_fp32, prompts + prompts, groups=[list(range(n)), list(range(n, 2 * n))])
     assert engine.scheduler.kv.num_prefix_hits > 0
     assert_close_all(engine_outputs[len(prompts):], single)
 
