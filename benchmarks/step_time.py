@@ -1,6 +1,7 @@
 """Decode step time: iterserve's ModelRunner vs transformers' own model, against the roofline.
 
     python benchmarks/step_time.py [--batches 1,8,32,64] [--context 256] [--dtype bfloat16] [--repeats 5]
+                                   [--quantization int8|int4] [--threads 1] [--no-hf]
 
 For each batch size B, every sequence has `context` tokens already in the KV cache and decodes one
 token. Prints per-step medians (ms) for: iterserve, transformers (DynamicCache prefilled to the same
@@ -16,10 +17,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
+from iterserve.model.quant import Weight, linear
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -52,15 +53,15 @@ def decode_plan(batch: int, context: int, blocks_per_seq: int) -> SchedulerOutpu
                          True, greedy, output_len=1) for i in range(batch)])
 
 
-def linear_weights(runner: ModelRunner) -> list[torch.Tensor]:
+def linear_weights(runner: ModelRunner) -> list[Weight]:
     m = runner.model
     return [w for layer in m.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [m.lm_head]
 
 
-def bare_linear(weights: list[torch.Tensor], x: torch.Tensor, lm_x: torch.Tensor) -> None:
+def bare_linear(weights: list[Weight], x: torch.Tensor, lm_x: torch.Tensor) -> None:
     for w in weights[:-1]:  # the same [B, in] -> [B, out] shapes as a step (inputs sized per weight)
-        F.linear(x[:, : w.shape[1]], w)
-    F.linear(lm_x, weights[-1])
+        linear(x[:, : w.shape[1]].contiguous(), w)
+    linear(lm_x, weights[-1])
 
 
 def hf_model(path: str, dtype: torch.dtype):
@@ -93,18 +94,20 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"])
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (saves its load time)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     print("command: python", " ".join(sys.argv))
     bps = -(-(args.context + 2) // 16)
-    runner = ModelRunner(EngineConfig(dtype=args.dtype, num_kv_blocks=max(batches) * bps, num_threads=args.threads))
+    runner = ModelRunner(EngineConfig(dtype=args.dtype, num_kv_blocks=max(batches) * bps, num_threads=args.threads,
+                                       quantization=args.quantization))
     runner.kv_cache.normal_(0, 0.1)  # a "pre-filled" cache: decode cost does not depend on the values
     dtype = runner.dtype
     weights = linear_weights(runner)
     wbytes = sum(w.nbytes for w in weights)
     bw, peak = bandwidth(), matmul_peak(dtype)
-    print(f"dtype {dtype}, threads {torch.get_num_threads()}, linear weights {wbytes / 1e6:.0f} MB, "
+    print(f"dtype {dtype}, quantization {args.quantization}, threads {torch.get_num_threads()}, linear weights {wbytes / 1e6:.0f} MB, "
           f"copy bandwidth {bw / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.0f} GFLOP/s")
     hf = None if args.no_hf else hf_model(runner.config.model or __import__(
         "iterserve.model.loader", fromlist=["x"]).default_model_path(), dtype)
@@ -117,7 +120,7 @@ def main() -> None:
             x = torch.randn(b, max(w.shape[1] for w in weights), dtype=dtype)
             bare = timed(lambda: bare_linear(weights, x, x[:, : weights[-1].shape[1]]), args.repeats)
             theirs = timed(hf_step_fn(hf, b, args.context, dtype), args.repeats) if hf is not None else float("nan")
-            flops = 2 * b * sum(w.numel() for w in weights)
+            flops = 2 * b * sum(w.shape[0] * w.shape[1] for w in weights)
             print(f"{b:>4} {ours * 1e3:>10.1f} {theirs * 1e3:>13.1f} {ours / theirs:>6.2f} {bare * 1e3:>12.1f} "
                   f"{ours / bare:>7.2f} {wbytes / bw * 1e3:>9.1f} {flops / peak * 1e3:>10.1f}", flush=True)
 

@@ -81,6 +81,8 @@ class LlamaModel:
         self.sin = emb.sin().to(self.device, self.dtype)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        # weights stay [out, in] for F.linear: a pre-transposed [in, out] copy used as x @ W was no
+        # faster on CPU bf16 (measured at 1, 64 and 512 rows, 1 thread; within noise)
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         bias = None

@@ -1,0 +1,96 @@
+"""Weight-only int8/int4: the packed kernels against float, and the quantized engine against float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve.config import EngineConfig
+from iterserve.engine import Engine
+from iterserve.executor.model_runner import ModelRunner
+from iterserve.model.quant import INT4_GROUP, linear, quantize, quantize_int4
+from iterserve.sampling_params import SamplingParams
+
+
+def dequantized(w) -> torch.Tensor:
+    """The float weight a packed one stands for: x = I reads it back through the kernel."""
+    k = w.shape[1]
+    return linear(torch.eye(k, dtype=torch.bfloat16), w).float().t()
+
+
+@pytest.mark.parametrize("mode,tol", [("int8", 1 / 127), ("int4", 1 / 15)])
+def test_packed_linear_matches_float(mode, tol):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128, dtype=torch.bfloat16)
+    bias = torch.randn(96, dtype=torch.bfloat16)
+    q = quantize(w, mode)
+    err = (dequantized(q) - w.float()).abs().max() / w.float().abs().max()
+    assert err <= tol  # half a step, with room for the scales' rounding to bf16
+    x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
+    torch.testing.assert_close(linear(x, q, bias).float(), (x.float() @ dequantized(q).t() + bias.float()),
+                               atol=0.1, rtol=0.02)
+
+
+def test_int4_recovers_a_q4_1_grid():
+    """Q4_1 blocks (w = d * q + m, q spanning 0..15) come back on the same grid."""
+    torch.manual_seed(0)
+    n, k = 16, 4 * INT4_GROUP
+    q = torch.randint(0, 16, (n, k // INT4_GROUP, INT4_GROUP))
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1 takes the block's min and max as its ends
+    d = torch.rand(n, k // INT4_GROUP, 1) * 0.01 + 0.001
+    m = -torch.rand(n, k // INT4_GROUP, 1) * 0.1
+    exact = d * q + m
+    got = dequantized(quantize_int4(exact.view(n, k).to(torch.bfloat16))).view_as(exact)
+    assert ((got - exact).abs() < d / 4).all()  # every code comes back; the rest is bf16 rounding
+
+
+# ------------------------------------------------------------ the engine, vs float32
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
+           "List three colors:"]
+NEW_TOKENS = 16
+
+
+def greedy(runner, prompts):
+    engine = Engine(EngineConfig(), executor=runner)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    got = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = (o.token_ids, [{t for t, _ in lp.top} for lp in o.logprobs])
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+def close(a, b) -> bool:
+    """vLLM's check_logprobs_close: equal up to the first difference, each there in the other's top-5."""
+    (ta, top_a), (tb, top_b) = a, b
+    for i in range(NEW_TOKENS):
+        if ta[i] != tb[i]:
+            return ta[i] in top_b[i] and tb[i] in top_a[i]
+    return True
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer):
+    return [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def float32_outputs(default_model_path, prompt_ids):
+    return greedy(ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64)), prompt_ids)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_engine_is_close_to_float32(mode, prompt_ids, float32_outputs):
+    runner = ModelRunner(EngineConfig(quantization=mode, num_kv_blocks=64))
+    ours = greedy(runner, prompt_ids)
+    for i, (a, b) in enumerate(zip(ours, float32_outputs)):
+        assert close(a, b), f"{mode} prompt {i}: {a[0]} vs {b[0]}"
+
+
+def test_quantization_needs_cpu():
+    from iterserve.model.quant import check_supported
+    with pytest.raises(ValueError, match="cpu"):
+        check_supported("int8", torch.device("meta"))
