@@ -32,8 +32,7 @@ def prompts(tokenizer) -> list[list[int]]:
     return [ids[7 * i: 7 * i + n] for i, n in enumerate(PROMPT_LENS)]
 
 
-@pytest.fixture(scope="module")
-def reference(hf_reference_model, prompts):
+def teacher_forced_view(model, prompts):
     """transformers' view of a run: teacher-forced on our tokens, its greedy choice and top-5 at each
     step. Up to the first difference this *is* transformers' own greedy generation, and at that
     difference it is the token transformers would pick, so it is all check_logprobs_close needs
@@ -42,10 +41,22 @@ def reference(hf_reference_model, prompts):
         out = []
         with torch.inference_mode():
             for p, (tokens, _) in zip(prompts, ours):
-                logits = hf_reference_model(torch.tensor([p + tokens[:-1]])).logits[0, len(p) - 1:]
+                logits = model(torch.tensor([p + tokens[:-1]])).logits[0, len(p) - 1:].float()
                 out.append((logits.argmax(-1).tolist(), [set(r.tolist()) for r in torch.topk(logits, 5).indices]))
         return out
     return view
+
+
+@pytest.fixture(scope="module")
+def reference(hf_reference_model, prompts):
+    return teacher_forced_view(hf_reference_model, prompts)
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(hf_reference_model, prompts):
+    """transformers' model cast to bfloat16: the same dtype as the run it checks."""
+    import copy
+    return teacher_forced_view(copy.deepcopy(hf_reference_model).to(torch.bfloat16), prompts)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +140,7 @@ def test_prefix_cache_hits_give_the_same_tokens(runner_fp32, prompts, single):
     assert_close_all(engine_outputs[len(prompts):], single)
 
 
-def test_bfloat16_matches_for_eight_tokens(prompts, reference):
+def test_bfloat16_matches_for_eight_tokens(prompts, reference_bf16):
     runner = ModelRunner(EngineConfig(dtype="bfloat16", num_kv_blocks=128))
     engine = Engine(EngineConfig(dtype="bfloat16"), executor=runner)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
@@ -141,4 +152,4 @@ def test_bfloat16_matches_for_eight_tokens(prompts, reference):
             if o.finished:
                 got[o.request_id] = (o.token_ids, [{t for t, _ in lp.top} for lp in o.logprobs])
     ours = [got[str(i)] for i in range(len(prompts))]
-    assert_close_all(ours, reference(ours), n=8)
+    assert_close_all(ours, reference_bf16(ours), n=8)
