@@ -3,7 +3,7 @@
 execute(plan): block swaps/copies -> flat inputs (loops over requests, never tokens) -> model ->
 sampler. Everything per token is built with numpy/torch ops over whole requests.
 
-On CUDA (see docs/gpu.md): attention runs through the Triton kernels (model/attention_backend.py);
+On CUDA (see the README, "The GPU path"): attention runs through the Triton kernels (model/attention_backend.py);
 with config.use_cuda_graphs, every pure-decode step of at most max_num_seqs requests replays a CUDA
 graph captured at start-up, one per batch-size bucket (executor/cuda_graphs.py); prompt and mixed
 steps run eagerly. The KV pool is sized from the free device memory after a profiling forward pass.
