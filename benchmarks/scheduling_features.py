@@ -19,8 +19,6 @@ import time
 
 from iterserve.bench.runner import format_table, run_bench, shared_model_engines
 from iterserve.bench.workload import LengthDist, make_trace, materialize_prompts
-from iterserve.config import EngineConfig
-from iterserve.engine import Engine
 from iterserve.sampling_params import SamplingParams
 
 

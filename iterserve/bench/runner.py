@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import gc
 import json
-import os
 import sys
 import time
 from collections import deque
@@ -175,26 +174,9 @@ class _StepTimes:
 
 
 def load_hf_model(model_path: str | None, dtype: str):
-    from transformers import AutoModelForCausalLM
-    from iterserve.model.loader import default_model_path, load_tokenizer
+    from iterserve.model.loader import default_model_path, load_tokenizer, load_transformers_model
     path = model_path or default_model_path()
-    torch_dtype = resolve_dtype(dtype)
-    if not path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval(), load_tokenizer(path)
-    d, f = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch_dtype)
-    except ValueError as e:  # transformers wants `accelerate` for GGUF: the same loader, by hand
-        if "accelerate" not in str(e):
-            raise
-        from transformers import AutoConfig
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d, gguf_file=f), dtype=torch_dtype)
-        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-        missing, _ = model.load_state_dict({k: v.to(torch_dtype) for k, v in tensors.items()}, strict=False)
-        assert set(missing) <= {"lm_head.weight"}, missing  # tied to the embedding
-        model.tie_weights()
-    return model.eval(), load_tokenizer(path)
+    return load_transformers_model(path, resolve_dtype(dtype)), load_tokenizer(path)
 
 
 def run_hf_static(trace: Trace, max_num_seqs: int, model_path: str | None = None, dtype: str = "auto",

@@ -217,3 +217,24 @@ def load_tokenizer(path: str):
 
 def _gguf_chat_template(path: str) -> str | None:
     return _gguf_fields(path).get("tokenizer.chat_template")
+
+
+def load_transformers_model(path: str, dtype):
+    """transformers' own model of a GGUF file or HF directory: the reference in tests and the
+    hf-static baseline of the benchmark."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if not path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    d, f = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
+    except ValueError as e:  # transformers wants `accelerate` for GGUF: the same loader, called by hand
+        if "accelerate" not in str(e):
+            raise
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d, gguf_file=f), dtype=dtype)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, _ = model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False)
+    assert set(missing) <= {"lm_head.weight"}, missing  # tied to the embedding
+    model.tie_weights()
+    return model.eval()
