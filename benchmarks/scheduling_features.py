@@ -38,7 +38,7 @@ def prefix(factory, threads):
 def preemption(factory, threads):
     trace = make_trace(48, LengthDist("uniform", 96, 32, 256), LengthDist("exponential", 96, high=256), seed=1)
     targets = [f"continuous+preemption-mode={m}" for m in ("recompute", "swap", "auto")]
-    report = run_bench(trace, targets, {"max_num_seqs": 32, "num_kv_blocks": 96, "num_threads": threads},
+    report = run_bench(trace, targets, {"max_num_seqs": 32, "num_kv_blocks": 256, "num_threads": threads},
                        engine_factory=factory)
     print(format_table(report))
     rec, swap, auto = (t["output_tokens_per_s"] for t in report["targets"])
