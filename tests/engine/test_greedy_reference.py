@@ -142,14 +142,5 @@ def test_prefix_cache_hits_give_the_same_tokens(runner_fp32, prompts, single):
 
 def test_bfloat16_matches_for_eight_tokens(prompts, reference_bf16):
     runner = ModelRunner(EngineConfig(dtype="bfloat16", num_kv_blocks=128))
-    engine = Engine(EngineConfig(dtype="bfloat16"), executor=runner)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
-    for i, p in enumerate(prompts):
-        engine.add_request(p, params, request_id=str(i))
-    got = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                got[o.request_id] = (o.token_ids, [{t for t, _ in lp.top} for lp in o.logprobs])
-    ours = [got[str(i)] for i in range(len(prompts))]
+    ours, _ = generate(runner, prompts, num_tokens=8)
     assert_close_all(ours, reference_bf16(ours), n=8)
