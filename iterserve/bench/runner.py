@@ -414,12 +414,13 @@ def run_bench(trace: Trace, targets: list[str], engine_kwargs: dict | None = Non
 
 def format_table(report: dict) -> str:
     """The comparison table: one row per target, ratios to the first."""
-    head = (f"{'target':<14}{'req/s':>8}{'out tok/s':>11}{'ratio':>7}{'TTFT mean':>11}{'TTFT p99':>10}"
+    w = max(14, *(len(t["name"]) + 1 for t in report["targets"]))
+    head = (f"{'target':<{w}}{'req/s':>8}{'out tok/s':>11}{'ratio':>7}{'TTFT mean':>11}{'TTFT p99':>10}"
             f"{'TPOT mean':>11}{'ITL p99':>9}{'e2e p99':>9}{'goodput':>9}{'batch':>7}{'preempt':>9}")
     rows = [head, "-" * len(head)]
     f = lambda x, d=3: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     for t in report["targets"]:
-        rows.append(f"{t['name'][:14]:<14}{f(t['requests_per_s'], 2):>8}{f(t['output_tokens_per_s'], 1):>11}"
+        rows.append(f"{t['name']:<{w}}{f(t['requests_per_s'], 2):>8}{f(t['output_tokens_per_s'], 1):>11}"
                     f"{f(t['ratio_to_first'], 2):>7}{f(t['ttft_s']['mean']):>11}{f(t['ttft_s']['p99']):>10}"
                     f"{f(t['tpot_s']['mean'], 4):>11}{f(t['itl_s']['p99'], 4):>9}{f(t['e2e_s']['p99'], 2):>9}"
                     f"{f(t['goodput_rps'], 2):>9}{f(t['mean_batch_size'], 1):>7}{t['preemptions']:>9}")

@@ -41,6 +41,10 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[Block]] = {}
         self.req_block_ids: dict[str, list[int]] = {}  # the block table handed to the executor
         self.req_hashes: dict[str, list[bytes]] = {}  # hashes of the request's full blocks, in order
+        # Prompt blocks that a running request will compute but has not yet: hash -> that request's id.
+        # A request sharing them waits a step or two instead of computing the same prefix twice.
+        self.computing: dict[bytes, str] = {}
+        self.req_computing: dict[str, list[bytes]] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found cached
 
@@ -80,6 +84,40 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def prefix_in_flight(self, request: Request, computed: list[Block]) -> int:
+        """Tokens just past the cached prefix that another running request is computing right now."""
+        if not self.computing:
+            return 0
+        bs, tokens = self.block_size, request.token_ids
+        parent = computed[-1].block_hash if computed else None
+        num_tokens = 0
+        for i in range(len(computed), (request.num_tokens - 1) // bs):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt)
+            if parent not in self.computing:
+                break
+            num_tokens += bs
+        return num_tokens
+
+    def mark_computing(self, request: Request, computed: list[Block]) -> None:
+        """Promise the request's uncached full prompt blocks (see `computing`); called on admission."""
+        if not self.pool.enable_caching:
+            return
+        bs, tokens = self.block_size, request.token_ids
+        parent = computed[-1].block_hash if computed else None
+        promised = []
+        for i in range(len(computed), request.num_prompt_tokens // bs):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt)
+            if parent not in self.computing and self.pool.lookup(parent) is None:
+                self.computing[parent] = request.request_id
+                promised.append(parent)
+        if promised:
+            self.req_computing[request.request_id] = promised
+
+    def _drop_promises(self, request_id: str) -> None:
+        for h in self.req_computing.pop(request_id, ()):
+            if self.computing.get(h) == request_id:
+                del self.computing[h]
 
     def can_admit(self, request: Request, num_tokens: int, computed: list[Block] = ()) -> bool:
         """Whether `num_tokens` tokens of a new request fit, keeping the watermark free."""
@@ -127,6 +165,7 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], request.cache_salt))
             self.pool.register(blocks[i], hashes[-1])
+            self.computing.pop(hashes[-1], None)
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
         """Share the parent's computed full blocks with the child by ref count. A partly filled last
@@ -154,6 +193,7 @@ class KVCacheManager:
         self.req_host_blocks[rid] = host
         self.req_block_ids.pop(rid, None)
         self.req_hashes.pop(rid, None)
+        self._drop_promises(rid)
         self.pool.free(blocks[::-1])
         return [(d.block_id, h.block_id) for d, h in zip(blocks, host)]
 
@@ -179,4 +219,5 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.req_block_ids.pop(request.request_id, None)
         self.req_hashes.pop(request.request_id, None)
+        self._drop_promises(request.request_id)
         self.pool.free(blocks[::-1])

@@ -161,12 +161,16 @@ class Scheduler:
     def _schedule_waiting(self, plan: SchedulerOutput) -> None:
         if self.config.scheduling_policy == "priority":
             self._sort_waiting()
-        while self.waiting:
+        i = 0  # requests before i wait for a prefix another request is computing; others may pass them
+        while i < len(self.waiting):
             budget = self.config.max_num_batched_tokens - plan.num_batched_tokens
             if budget <= 0:
                 return
-            request = self.waiting[0]
+            request = self.waiting[i]
             computed, num_cached = self.kv.get_computed_blocks(request)
+            if 2 * self.kv.prefix_in_flight(request, computed) >= request.num_tokens - num_cached:
+                i += 1  # most of what it would compute is being computed: reuse it next step
+                continue
             # Admit only if the whole remaining prompt fits, not just its first chunk (no thrash).
             if self._seats_used() + 1 + len(request.forks) > self.config.max_num_seqs or \
                     not self.kv.can_admit(request, request.num_tokens, computed):
@@ -176,7 +180,8 @@ class Scheduler:
             n = self._num_new_tokens(request, num_cached, budget)
             if self.kv.allocate_slots(request, n, computed) is None:
                 return
-            self.waiting.popleft()
+            del self.waiting[i]
+            self.kv.mark_computing(request, computed)
             request.num_computed_tokens = num_cached
             self._start_running(request)
             if n:

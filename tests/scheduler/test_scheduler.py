@@ -179,3 +179,34 @@ def test_abort_reaches_siblings_after_one_has_finished():
     engine.abort_request("p")
     assert not engine.has_unfinished() and not engine.states
     assert engine.scheduler.kv.pool.num_free_blocks == 32
+
+
+def test_requests_sharing_an_uncached_prefix_compute_it_once():
+    ex = FakeExecutor(num_kv_blocks=64, block_size=4)
+    engine = Engine(EngineConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=256), executor=ex)
+    system = list(range(1, 41))  # 10 blocks, in nobody's cache yet
+    prompts = {"a": system + [50, 51], "b": system + [60, 61], "other": [90, 91, 92, 93, 94]}
+    for rid, p in prompts.items():
+        engine.add_request(p, SamplingParams(max_tokens=3), request_id=rid)
+    done = run(engine)
+    first, second = ([(s.request_id, s.num_new_tokens) for s in plan.scheduled] for plan in ex.plans[:2])
+    assert first == [("a", 42), ("other", 5)], "b waits for the prefix a is computing; other passes it"
+    assert ("b", 2) in second, "b computes only its own suffix"
+    assert all(done[r] == reference_output(p, 3) for r, p in prompts.items())
+    assert not engine.scheduler.kv.computing and engine.scheduler.kv.pool.num_free_blocks == 64
+
+
+def test_an_aborted_prefix_owner_releases_its_waiters():
+    ex = FakeExecutor(num_kv_blocks=64, block_size=4)
+    engine = Engine(EngineConfig(block_size=4, max_num_batched_tokens=8), executor=ex)
+    system = list(range(1, 41))
+    engine.add_request(system + [50], SamplingParams(max_tokens=2), request_id="a")
+    engine.add_request(system + [60], SamplingParams(max_tokens=2), request_id="b")
+    engine.step()  # a computes its first chunk; b waits for a's prefix
+    assert [r.request_id for r in engine.scheduler.running] == ["a"]
+    engine.abort_request("a")
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["b"]
+    assert set(engine.scheduler.kv.computing.values()) == {"b"}, "b now promises the prefix itself"
+    run(engine)
+    assert not engine.scheduler.kv.computing

@@ -34,6 +34,9 @@ def check_blocks(engine: Engine) -> None:
     assert not (kv.req_blocks.keys() & kv.req_host_blocks.keys()), "a request is on device and host at once"
     for rid, ids in kv.req_block_ids.items():
         assert ids == [b.block_id for b in kv.req_blocks[rid]]
+    running = {r.request_id for r in engine.scheduler.running}
+    assert set(kv.computing.values()) <= running, "only a running request promises prefix blocks"
+    assert not (kv.computing.keys() & kv.pool.cached.keys()), "a promised block is already cached"
 
 
 def check_contexts(engine: Engine, executor: FakeExecutor) -> None:
@@ -129,3 +132,4 @@ def test_scheduler_invariants(requests, num_blocks, block_size, max_num_seqs, bu
     assert kv.pool.num_free_blocks == num_blocks, "all blocks are free at the end"
     assert kv.host_pool.num_free_blocks == kv.host_pool.num_blocks, "all host blocks are free at the end"
     assert not kv.req_blocks and not kv.req_host_blocks and not engine.states
+    assert not kv.computing and not kv.req_computing, "no prefix promise outlives its request"
