@@ -4,7 +4,7 @@ The server runs in a subprocess with the same engine flags, and this process dri
 official openai client at the given concurrency, so client work does not share the server's GIL.
 Every request generates exactly --max-tokens tokens (ignore_eos), so both paths do the same work.
 
-    python benchmarks/http_vs_offline.py --num-prompts 64 --concurrency 32 --max-tokens 64
+    python benchmarks/http_vs_offline.py --num-prompts 64 --concurrency 32 --max-tokens 64 [--repeats 3]
     (any engine flag after it is passed to both, e.g. --device cuda --max-num-seqs 32)
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -32,7 +33,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_offline(args, engine_argv: list[str]) -> float:
+def offline_runner(args, engine_argv: list[str]):
+    """A function that runs the workload through LLM.generate and returns output tokens/s."""
     from iterserve.entrypoints.args import add_engine_args, config_from_args
     from iterserve.llm import LLM
     from iterserve.sampling_params import SamplingParams
@@ -43,12 +45,15 @@ def run_offline(args, engine_argv: list[str]) -> float:
     llm = LLM(**{name: getattr(config, name) for name in config.field_names()})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts(2), params, use_tqdm=False)  # warm-up
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts(args.num_prompts), params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    assert tokens == args.num_prompts * args.max_tokens
-    return tokens / elapsed
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts(args.num_prompts), params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        assert tokens == args.num_prompts * args.max_tokens
+        return tokens / elapsed
+    return run
 
 
 async def drive_server(url: str, args) -> tuple[float, float]:
@@ -91,32 +96,28 @@ async def drive_server(url: str, args) -> tuple[float, float]:
     return sum(counts) / elapsed, max(health, default=0.0)
 
 
-def run_http(args, engine_argv: list[str]) -> tuple[float, float]:
+def start_server(engine_argv: list[str], verbose: bool) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "iterserve.cli", "serve", "--port", str(port),
            "--served-model-name", "bench", *engine_argv]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL if not args.verbose else None,
-                              stderr=subprocess.DEVNULL if not args.verbose else None)
+    server = subprocess.Popen(cmd, stdout=None if verbose else subprocess.DEVNULL,
+                              stderr=None if verbose else subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"the server exited with {server.returncode}: {' '.join(cmd)}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not come up in 600 s")
-            time.sleep(0.5)
-        return asyncio.run(drive_server(url, args))
-    finally:
-        server.terminate()
-        server.wait(30)
+    deadline = time.monotonic() + 600
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            server.terminate()
+            raise RuntimeError("the server did not come up in 600 s")
+        time.sleep(0.5)
 
 
 def main() -> int:
@@ -124,17 +125,31 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="offline and HTTP runs, alternated (this machine is noisy: medians are compared)")
     parser.add_argument("--verbose", action="store_true", help="show the server's log")
     args, engine_argv = parser.parse_known_args()
     if "--max-num-seqs" not in engine_argv:  # the same batch size both ways: apples to apples
         engine_argv += ["--max-num-seqs", str(args.concurrency)]
     print("command:", " ".join([os.path.basename(sys.executable), *sys.argv]))
-    offline = run_offline(args, engine_argv)
-    print(f"offline (LLM.generate):        {offline:8.1f} output tokens/s")
-    http, worst_health = run_http(args, engine_argv)
-    print(f"HTTP (serve, concurrency {args.concurrency:>3}): {http:8.1f} output tokens/s")
-    print(f"HTTP / offline: {100 * http / offline:.1f}%  (target >= 90%); "
-          f"worst /health latency under load: {1000 * worst_health:.0f} ms")
+    run_offline = offline_runner(args, engine_argv)
+    server, url = start_server(engine_argv, args.verbose)
+    offline, http, health = [], [], []
+    try:
+        for i in range(args.repeats):  # one at a time: the server is idle while offline runs, and back
+            offline.append(run_offline())
+            tokens_per_s, worst_health = asyncio.run(drive_server(url, args))
+            http.append(tokens_per_s)
+            health.append(worst_health)
+            print(f"run {i + 1}: offline {offline[-1]:.1f}, HTTP {http[-1]:.1f} output tokens/s", flush=True)
+    finally:
+        server.terminate()
+        server.wait(30)
+    med_offline, med_http = statistics.median(offline), statistics.median(http)
+    print(f"offline (LLM.generate):        {med_offline:8.1f} output tokens/s (median of {args.repeats})")
+    print(f"HTTP (serve, concurrency {args.concurrency:>3}): {med_http:8.1f} output tokens/s (median of {args.repeats})")
+    print(f"HTTP / offline: {100 * med_http / med_offline:.1f}%  (target >= 90%); "
+          f"worst /health latency under load: {1000 * max(health):.0f} ms")
     return 0
 
 

@@ -46,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     from iterserve.server.async_engine import AsyncEngine
 
     config = config_from_args(args)
-    engine = Engine(config)
+    async_engine = AsyncEngine(lambda: Engine(config), request_timeout=args.request_timeout,
+                               log_interval=args.log_interval)
+    engine = async_engine.engine
     name = args.served_model_name or served_name(config.model)
-    async_engine = AsyncEngine(engine, request_timeout=args.request_timeout, log_interval=args.log_interval)
     origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
     app = build_app(async_engine, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                     allowed_origins=origins)

@@ -231,3 +231,29 @@ def test_no_route_serves_files(fake_server):
     assert paths == {"/health", "/version", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions",
                      "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
     assert httpx.get(fake_server.url + "/../../etc/passwd").status_code == 404
+
+
+def test_an_engine_built_by_a_factory_is_built_and_stepped_on_the_engine_thread(tokenizer):
+    threads = []
+
+    def build():
+        threads.append(threading.current_thread())
+        return fake_engine(tokenizer)
+
+    async_engine = AsyncEngine(build)
+    try:
+        assert threads == [async_engine._thread] and threads[0] is not threading.current_thread()
+
+        async def one():
+            return [o async for o in async_engine.generate("hi", SamplingParams(max_tokens=3))]
+        outs = asyncio.run(asyncio.wait_for(one(), 30))
+        assert outs[-1].finished and len(outs[-1].token_ids) == 3
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_factory_that_fails_raises_in_the_caller():
+    def build():
+        raise ValueError("no such model file")
+    with pytest.raises(ValueError, match="no such model file"):
+        AsyncEngine(build)
