@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from iterserve.model import cpu_kernels
 from iterserve.model.attention_metadata import AttentionMetadata
 
 
@@ -56,17 +57,22 @@ class AttentionPlan:
     decode_bias: torch.Tensor | None  # [Bd, 1, 1, L] 0 / -inf, in the compute dtype
     prompts: list[PromptSeq]
     workspace: Workspace | None
+    # the C++ kernel path (cpu_kernels.py), which reads the cache in place; None: gather + matmuls
+    decode_tables: torch.Tensor | None = None  # [Bd, nb] int32
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] int32
+    num_threads: int = 1
     # set by the first layer, which sees the cache's shape, and reused by the others:
     decode_kv_rows: torch.Tensor | None = None  # [Bd * Hkv * L] rows of layer_cache[0].view(-1, D), head-major
     decode_ctx: torch.Tensor | None = None  # [2, Bd, Hkv, L, D] the gather target
 
 
 def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
-               workspace: Workspace | None = None) -> AttentionPlan:
-    """workspace: where the decode context is gathered (a fresh tensor per step without one)."""
+               workspace: Workspace | None = None, use_kernel: bool = False) -> AttentionPlan:
+    """workspace: where the decode context is gathered (a fresh tensor per step without one).
+    use_kernel: decode rows go through the C++ kernel, which reads the paged cache in place."""
     starts = md.query_start_loc.tolist() if md.max_query_len > 1 else range(md.num_seqs + 1)
     dec = [b for b, q in enumerate(md.query_lens_list) if q == 1]
-    decode_rows = decode_blocks = decode_bias = None
+    decode_rows = decode_blocks = decode_bias = decode_tables = decode_seq_lens = None
     decode_all = False
     if dec:
         dev = md.seq_lens.device
@@ -75,11 +81,15 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
         seq_lens = md.seq_lens if decode_all else md.seq_lens[idx]
         max_len = max(md.seq_lens_list[b] for b in dec)
         nb = -(-max_len // block_size)
-        decode_blocks = (md.block_tables if decode_all else md.block_tables[idx])[:, :nb].long()
-        pos = torch.arange(nb * block_size, device=dev)
-        bias = torch.zeros((len(dec), nb * block_size), dtype=dtype, device=dev)
-        bias.masked_fill_(pos[None, :] >= seq_lens[:, None], float("-inf"))
-        decode_bias = bias[:, None, None, :]
+        tables = (md.block_tables if decode_all else md.block_tables[idx])[:, :nb]
+        if use_kernel:
+            decode_tables, decode_seq_lens = tables.contiguous(), seq_lens.contiguous()
+        else:
+            decode_blocks = tables.long()
+            pos = torch.arange(nb * block_size, device=dev)
+            bias = torch.zeros((len(dec), nb * block_size), dtype=dtype, device=dev)
+            bias.masked_fill_(pos[None, :] >= seq_lens[:, None], float("-inf"))
+            decode_bias = bias[:, None, None, :]
         decode_rows = None if decode_all else torch.tensor([starts[b] for b in dec], device=dev)
     prompts = []
     for b, q_len in enumerate(md.query_lens_list):
@@ -93,7 +103,7 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
         prompts.append(PromptSeq(slice(s, s + q_len), seq_len, fresh,
                                  md.block_tables[b, : -(-seq_len // block_size)].long(), mask))
     return AttentionPlan(block_size, md.slot_mapping, decode_rows, decode_all, decode_blocks, decode_bias, prompts,
-                         workspace)
+                         workspace, decode_tables, decode_seq_lens, torch.get_num_threads())
 
 
 def _kv_rows(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
@@ -118,15 +128,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     if plan.decode_all:
         return _decode(q, layer_cache, plan, scale)
     out = torch.empty_like(q)
-    if plan.decode_blocks is not None:
+    if decode_rows_present(plan):
         out.index_copy_(0, plan.decode_rows, _decode(q.index_select(0, plan.decode_rows), layer_cache, plan, scale))
     for p in plan.prompts:
         out[p.rows] = _prompt(q[p.rows], k[p.rows], v[p.rows], layer_cache, p, scale)
     return out
 
 
+def decode_rows_present(plan: AttentionPlan) -> bool:
+    return plan.decode_blocks is not None or plan.decode_tables is not None
+
+
 def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
     """One query per sequence: q [B, H, D] against the gathered, head-major context [2, B, Hkv, L, D]."""
+    if plan.decode_tables is not None:
+        return cpu_kernels.decode_attention(q, layer_cache[0], layer_cache[1], plan.decode_tables,
+                                            plan.decode_seq_lens, scale, plan.num_threads)
     b, h, d = q.shape
     hkv = layer_cache.shape[3]
     g = h // hkv

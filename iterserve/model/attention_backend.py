@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from iterserve.model import cpu_kernels
 from iterserve.model.attention import Workspace, build_plan, paged_attention
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.triton_attention import has_triton, paged_attention_triton, write_kv_triton
@@ -32,12 +33,15 @@ class TorchAttention:
     name = "torch"
     graph_safe = False
 
-    def __init__(self, block_size: int, dtype: torch.dtype):
+    def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
         self.block_size, self.dtype = block_size, dtype
         self.workspace = Workspace()  # the decode gather buffer, reused across layers and steps
+        # decode rows read the paged cache in place through the C++ kernel, where it builds
+        self.use_kernel = device.type == "cpu" and dtype in cpu_kernels.DTYPES and \
+            cpu_kernels.decode_attention_kernel() is not None
 
     def prepare(self, meta: AttentionMetadata):
-        return build_plan(meta, self.block_size, self.dtype, self.workspace)
+        return build_plan(meta, self.block_size, self.dtype, self.workspace, self.use_kernel)
 
     def attend(self, q, k, v, layer_cache: torch.Tensor, plan, scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, layer_cache, plan, scale)
@@ -70,4 +74,4 @@ def backend_name(device: torch.device) -> str:
 def attention_backend(device: torch.device, block_size: int, dtype: torch.dtype):
     if backend_name(device) == "triton":
         return TritonAttention()
-    return TorchAttention(block_size, dtype)
+    return TorchAttention(block_size, dtype, device)

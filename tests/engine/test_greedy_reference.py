@@ -140,7 +140,16 @@ def test_prefix_cache_hits_give_the_same_tokens(runner_fp32, prompts, single):
     assert_close_all(engine_outputs[len(prompts):], single)
 
 
-def test_bfloat16_matches_for_eight_tokens(prompts, reference_bf16):
+def test_bfloat16_matches_for_eight_tokens(prompts, reference_bf16, reference):
+    """Logprob-close to transformers in bf16 and in float32, and no further from float32 (tokens
+    that differ) than transformers' own bf16 is: our decode attention keeps softmax and the weighted
+    sum in float32, so bf16 runs may part from transformers' bf16 exactly where it parts from float32."""
     runner = ModelRunner(EngineConfig(dtype="bfloat16", num_kv_blocks=128))
     ours, _ = generate(runner, prompts, num_tokens=8)
-    assert_close_all(ours, reference_bf16(ours), n=8)
+    theirs_bf16, theirs_fp32 = reference_bf16(ours), reference(ours)
+    assert_close_all(ours, theirs_bf16, n=8, max_diverged=len(prompts))
+    assert_close_all(ours, theirs_fp32, n=8, max_diverged=len(prompts))
+    ours_off = sum(diverged(a, b, 8) for a, b in zip(ours, theirs_fp32))
+    theirs_off = sum(diverged(a, b, 8) for a, b in zip(theirs_bf16, theirs_fp32))
+    assert ours_off <= max(theirs_off, 1), f"{ours_off} prompts part from float32, transformers' bf16: {theirs_off}"
+

@@ -64,7 +64,7 @@ def child() -> dict:
     triton_backend = runner.model.attention
     assert triton_backend.name == "triton" and runner.graphs is None  # graphs are captured only on CUDA
     prompts = [list(runner.tokenizer.encode(p)) for p in PROMPTS]
-    runner.model.attention = TorchAttention(BS, runner.dtype)  # the reference: same weights, torch attention
+    runner.model.attention = TorchAttention(BS, runner.dtype, runner.device)  # the reference: same weights, torch attention
     want = generate(runner, prompts)
     runner.model.attention = triton_backend
     runner.graphs = EagerGraphs(runner.model.forward, runner.kv_cache, 4, runner.max_model_len, BS)

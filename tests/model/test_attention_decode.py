@@ -1,9 +1,11 @@
-"""The torch decode path: head-major gather through scattered block tables into a reused workspace."""
+"""The CPU decode paths: head-major gather through scattered block tables into a reused workspace,
+and the C++ kernel that reads the paged cache in place."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from iterserve.model import cpu_kernels
 from iterserve.model.attention import Workspace, _kv_rows, build_plan, paged_attention
 from iterserve.model.attention_metadata import AttentionMetadata
 
@@ -18,13 +20,14 @@ def reference(q, k, v, scale):
     return torch.einsum("hl,lhd->hd", p, v.float())
 
 
-def decode_step(cache, seq_lens, tables, dtype, workspace=None, prompt_len=0):
+def decode_step(cache, seq_lens, tables, dtype, workspace=None, prompt_len=0, use_kernel=False):
     """Every sequence decodes one token (K/V of the earlier ones already cached), and optionally a
     fresh prompt rides along in the same batch. Returns (ours, want) for the decode rows."""
     q_lens = [1] * len(seq_lens) + ([prompt_len] if prompt_len else [])
     lens = seq_lens + ([prompt_len] if prompt_len else [])
     tabs = tables + ([[len(cache[0]) - 1 - i for i in range(-(-prompt_len // BS))]] if prompt_len else [])
-    full = [(torch.randn(s, HKV, D, dtype=dtype), torch.randn(s, HKV, D, dtype=dtype)) for s in lens]
+    hkv, d = cache.shape[-2:]
+    full = [(torch.randn(s, hkv, d, dtype=dtype), torch.randn(s, hkv, d, dtype=dtype)) for s in lens]
     slots, starts = [], [0]
     for (k, v), s, q, t in zip(full, lens, q_lens, tabs):
         for p in range(s - q):
@@ -37,9 +40,9 @@ def decode_step(cache, seq_lens, tables, dtype, workspace=None, prompt_len=0):
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tabs], dtype=torch.int32),
         max_query_len=max(q_lens), max_seq_len=max(lens), query_lens_list=q_lens, seq_lens_list=lens)
-    qs = torch.randn(sum(q_lens), H, D, dtype=dtype)
+    qs = torch.randn(sum(q_lens), H, d, dtype=dtype)
     new = lambda i: torch.cat([x[i][s - q:] for x, s, q in zip(full, lens, q_lens)])  # noqa: E731
-    out = paged_attention(qs, new(0), new(1), cache, build_plan(md, BS, dtype, workspace), 0.35)
+    out = paged_attention(qs, new(0), new(1), cache, build_plan(md, BS, dtype, workspace, use_kernel), 0.35)
     want = torch.stack([reference(qs[b], k, v, 0.35) for b, (k, v) in enumerate(full[: len(seq_lens)])])
     return out[: len(seq_lens)], want
 
@@ -79,3 +82,32 @@ def test_workspace_is_reused_and_regrown_across_steps():
         bufs.append(ws.buf)
     assert bufs[1] is bufs[0] and bufs[3] is bufs[2]  # a step that fits reuses the buffer
     assert bufs[2].numel() >= 2 * 3 * HKV * 16 * D  # grown for the largest step
+
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.decode_attention_kernel() is None, reason="no C++ compiler here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [8, 64, 128])  # 8: the portable loop; 64, 128: the AVX-512 one where built
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("prompt_len", [0, 6])
+def test_kernel_reads_scattered_blocks_in_place(head_dim, dtype, tol, prompt_len):
+    torch.manual_seed(2)
+    cache = torch.zeros(2, 64, BS, HKV, head_dim, dtype=dtype)
+    perm = torch.randperm(60).tolist()  # the last blocks are left for the prompt
+    seq_lens = [1, 5, 13, 16, 17, 40]  # lengths around block and 16-lane boundaries
+    tables, used = [], 0
+    for n in seq_lens:
+        tables.append(perm[used: used + -(-n // BS)])
+        used += len(tables[-1])
+    out, want = decode_step(cache, seq_lens, tables, dtype, prompt_len=prompt_len, use_kernel=True)
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_kernel_rejects_shapes_it_does_not_handle():
+    q = torch.zeros(1, 40, 8)  # 40 query heads on 2 kv heads: a group of 20 is past its limit
+    cache = torch.zeros(4, BS, 2, 8)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        cpu_kernels.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                     torch.ones(1, dtype=torch.int32), 1.0, 1)

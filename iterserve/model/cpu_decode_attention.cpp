@@ -1,0 +1,316 @@
+// Decode attention straight from the paged KV cache, for the CPU path (see cpu_kernels.py).
+//
+// One query token per sequence attends to its whole context, read through its block table in
+// place: no gather into a padded buffer (which moved every K/V byte three times), one pass over K
+// and one over V, in float32 with the softmax taken over the whole row. Work items are
+// (sequence, kv head) pairs: the G query heads that share a kv head read each K/V row once.
+//
+// Plain C ABI, no torch headers, so it builds in about a second; OpenMP resolves to the libgomp
+// torch has already loaded, so it shares torch's thread pool instead of starting a second one.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) {  // bfloat16 is the high half of a float32
+    uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline void from_f32(float x, float* out) { *out = x; }
+inline void from_f32(float x, uint16_t* out) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { *out = uint16_t((u >> 16) | 0x40); return; }  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *out = uint16_t(u >> 16);
+}
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxGroup = 16;
+constexpr int kMaxHeads = 64;  // query heads, for the AVX-512 path's register tiles
+
+template <typename T>
+void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
+                T* out, int num_kv_heads, int group, int head_dim, int block_size, float scale, int h,
+                std::vector<float>& scores) {
+    const int D = head_dim, G = group;
+    const size_t row = size_t(num_kv_heads) * D;  // elements per cache slot
+    float qf[kMaxGroup * kMaxHeadDim];
+    for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) qf[g * D + d] = to_f32(q[(h * G + g) * D + d]) * scale;
+    scores.resize(size_t(G) * seq_len);
+    float mx[kMaxGroup];
+    for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
+    for (int p0 = 0; p0 < seq_len; p0 += block_size) {
+        const T* kb = k_cache + size_t(table[p0 / block_size]) * block_size * row + size_t(h) * D;
+        const int n = seq_len - p0 < block_size ? seq_len - p0 : block_size;
+        for (int i = 0; i < n; ++i) {
+            const T* k = kb + i * row;
+            for (int g = 0; g < G; ++g) {
+                const float* qg = qf + g * D;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int d = 0; d < D; ++d) acc += qg[d] * to_f32(k[d]);
+                scores[size_t(g) * seq_len + p0 + i] = acc;
+                mx[g] = acc > mx[g] ? acc : mx[g];
+            }
+        }
+    }
+    float inv[kMaxGroup];
+    for (int g = 0; g < G; ++g) {
+        float* s = scores.data() + size_t(g) * seq_len;
+        float sum = 0.f;
+        for (int p = 0; p < seq_len; ++p) { s[p] = std::exp(s[p] - mx[g]); sum += s[p]; }
+        inv[g] = 1.f / sum;
+    }
+    float acc[kMaxGroup * kMaxHeadDim];
+    std::memset(acc, 0, sizeof(float) * G * D);
+    for (int p0 = 0; p0 < seq_len; p0 += block_size) {
+        const T* vb = v_cache + size_t(table[p0 / block_size]) * block_size * row + size_t(h) * D;
+        const int n = seq_len - p0 < block_size ? seq_len - p0 : block_size;
+        for (int i = 0; i < n; ++i) {
+            const T* v = vb + i * row;
+            for (int g = 0; g < G; ++g) {
+                const float w = scores[size_t(g) * seq_len + p0 + i];
+                float* a = acc + g * D;
+#pragma omp simd
+                for (int d = 0; d < D; ++d) a[d] += w * to_f32(v[d]);
+            }
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D; ++d) from_f32(acc[g * D + d] * inv[g], out + (h * G + g) * D + d);
+}
+
+#if defined(__AVX512F__)
+// The same computation with AVX-512 for head_dim a multiple of 16 (the common 64 and 128): each
+// K/V row is loaded and widened to float once and used by all G query heads; exp is vectorized.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 exp16(__m512 x) {  // 2^n * 2^f with |f| <= 1/2; degree-6 Taylor of 2^f, rel. error ~1e-7
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, n);
+}
+
+// One sequence, all heads: each cache slot (all kv heads of one position) is read whole and in
+// order, so a block is one contiguous run the prefetcher follows; the next block is prefetched
+// explicitly, since block tables scatter blocks over the pool.
+// a[0..15] -> one vector of their 16 horizontal sums, in order: a transpose-and-add tree, ~2 ops
+// per sum instead of the ~8 of a reduction each.
+inline __m512 reduce16(const __m512* a) {
+    __m512 s8[8], s4[4];
+    for (int i = 0; i < 8; ++i)
+        s8[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) {
+        const __m512d x = _mm512_castps_pd(s8[2 * i]), y = _mm512_castps_pd(s8[2 * i + 1]);
+        s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], 0x88), _mm512_shuffle_f32x4(s4[0], s4[1], 0xDD));
+    const __m512 v2 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], 0x88), _mm512_shuffle_f32x4(s4[2], s4[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v1, v2, 0x88), _mm512_shuffle_f32x4(v1, v2, 0xDD));
+}
+
+// q . k partial sums (16 lanes) for one row; the query is kept in the form the dot wants.
+template <int D, typename T> struct Dot;
+template <int D> struct Dot<D, float> {
+    __m512 q[D / 16];
+    void set(const float* src, float scale) {
+        for (int c = 0; c < D / 16; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * c), _mm512_set1_ps(scale));
+    }
+    __m512 operator()(const float* k) const {
+        __m512 a = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+        for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), a);
+        return a;
+    }
+    static constexpr bool scaled = true;
+};
+#if defined(__AVX512BF16__)
+template <int D> struct Dot<D, uint16_t> {  // bf16 pairs straight from the cache: no widening
+    __m512bh q[D / 32];
+    void set(const uint16_t* src, float) {
+        for (int c = 0; c < D / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(src + 32 * c);
+    }
+    __m512 operator()(const uint16_t* k) const {
+        __m512 a = _mm512_setzero_ps();
+        for (int c = 0; c < D / 32; ++c) a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+        return a;
+    }
+    static constexpr bool scaled = false;  // scale applied to the sums
+};
+#else
+template <int D> struct Dot<D, uint16_t> {
+    __m512 q[D / 16];
+    void set(const uint16_t* src, float scale) {
+        for (int c = 0; c < D / 16; ++c) q[c] = _mm512_mul_ps(load16(src + 16 * c), _mm512_set1_ps(scale));
+    }
+    __m512 operator()(const uint16_t* k) const {
+        __m512 a = _mm512_mul_ps(q[0], load16(k));
+        for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(q[c], load16(k + 16 * c), a);
+        return a;
+    }
+    static constexpr bool scaled = true;
+};
+#endif
+
+template <int D, typename T>
+void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
+                       T* out, int num_kv_heads, int G, int block_size, float scale, std::vector<float>& scores) {
+    constexpr int C = D / 16;
+    const int H = num_kv_heads * G;
+    const size_t row = size_t(num_kv_heads) * D;  // elements per cache slot
+    const size_t block_bytes = size_t(block_size) * row * sizeof(T);
+    Dot<D, T> dots[kMaxHeads];
+    for (int j = 0; j < H; ++j) dots[j].set(q + j * D, scale);
+    const __m512 post_scale = _mm512_set1_ps(Dot<D, T>::scaled ? 1.f : scale);
+    const int padded = (seq_len + 15) & ~15;
+    scores.resize(size_t(H) * padded);
+    float* s = scores.data();
+    const int num_blocks = (seq_len + block_size - 1) / block_size;
+    auto prefetch_block = [&](const T* cache, int j) {
+        if (j >= num_blocks) return;
+        const char* p = reinterpret_cast<const char*>(cache + size_t(table[j]) * block_size * row);
+        for (size_t off = 0; off < block_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    };
+    prefetch_block(k_cache, 0);
+    prefetch_block(k_cache, 1);
+    const T* rows[16];
+    __m512 partial[16];
+    for (int p0 = 0; p0 < seq_len; p0 += 16) {  // 16 positions at a time, one score per lane
+        for (int r = 0; r < 16; ++r) {
+            const int p = p0 + r < seq_len ? p0 + r : seq_len - 1;  // past the end: any valid row
+            rows[r] = k_cache + (size_t(table[p / block_size]) * block_size + p % block_size) * row;
+            if (p % block_size == 0) prefetch_block(k_cache, p / block_size + 2);
+        }
+        for (int h = 0; h < num_kv_heads; ++h)
+            for (int g = h * G; g < (h + 1) * G; ++g) {
+                for (int r = 0; r < 16; ++r) partial[r] = dots[g](rows[r] + h * D);
+                _mm512_storeu_ps(s + size_t(g) * padded + p0, _mm512_mul_ps(reduce16(partial), post_scale));
+            }
+    }
+    prefetch_block(v_cache, 0);
+    const __mmask16 tail = __mmask16((1u << (seq_len & 15)) - 1u);
+    float inv[kMaxHeads];
+    for (int g = 0; g < H; ++g) {
+        float* sg = s + size_t(g) * padded;
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int p = 0; p < seq_len; p += 16)
+            m = _mm512_max_ps(m, seq_len - p >= 16 ? _mm512_loadu_ps(sg + p)
+                                                   : _mm512_mask_loadu_ps(m, tail, sg + p));
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        __m512 sum = _mm512_setzero_ps();
+        for (int p = 0; p < seq_len; p += 16) {
+            const __mmask16 k = seq_len - p >= 16 ? __mmask16(0xffff) : tail;
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + p), mx));
+            _mm512_mask_storeu_ps(sg + p, k, e);
+            sum = _mm512_mask_add_ps(sum, k, sum, e);
+        }
+        inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+    }
+    __m512 acc[kMaxHeads][C];
+    for (int g = 0; g < H; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int j = 0; j < num_blocks; ++j) {
+        prefetch_block(v_cache, j + 1);
+        const T* vb = v_cache + size_t(table[j]) * block_size * row;
+        const int p0 = j * block_size, n = seq_len - p0 < block_size ? seq_len - p0 : block_size;
+        for (int i = 0; i < n; ++i)
+            for (int h = 0; h < num_kv_heads; ++h) {
+                __m512 vv[C];
+                for (int c = 0; c < C; ++c) vv[c] = load16(vb + i * row + h * D + 16 * c);
+                for (int g = h * G; g < (h + 1) * G; ++g) {
+                    const __m512 w = _mm512_set1_ps(s[size_t(g) * padded + p0 + i]);
+                    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+                }
+            }
+    }
+    alignas(64) float tmp[16];
+    for (int g = 0; g < H; ++g)
+        for (int c = 0; c < C; ++c) {
+            _mm512_store_ps(tmp, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+            for (int d = 0; d < 16; ++d) from_f32(tmp[d], out + g * D + 16 * c + d);
+        }
+}
+#endif
+
+template <typename T>
+int decode(const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+           int64_t table_stride, const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
+           int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+    const int G = num_heads / num_kv_heads;
+    if (head_dim > kMaxHeadDim || G > kMaxGroup || G * num_kv_heads != num_heads) return 1;
+    const T* qt = static_cast<const T*>(q);
+    const T* kc = static_cast<const T*>(k_cache);
+    const T* vc = static_cast<const T*>(v_cache);
+    T* ot = static_cast<T*>(out);
+    const size_t seq_stride = size_t(num_heads) * head_dim;
+#if defined(__AVX512F__)
+    if ((head_dim == 64 || head_dim == 128) && num_heads <= kMaxHeads) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+            for (int b = 0; b < num_seqs; ++b) {
+                const int32_t* table = block_tables + b * table_stride;
+                if (head_dim == 64)
+                    attend_seq_avx512<64, T>(qt + b * seq_stride, kc, vc, table, seq_lens[b], ot + b * seq_stride,
+                                             num_kv_heads, G, block_size, scale, scores);
+                else
+                    attend_seq_avx512<128, T>(qt + b * seq_stride, kc, vc, table, seq_lens[b], ot + b * seq_stride,
+                                              num_kv_heads, G, block_size, scale, scores);
+            }
+        }
+        return 0;
+    }
+#endif
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_seqs * num_kv_heads; ++item) {
+            const int b = item / num_kv_heads, h = item % num_kv_heads;
+            attend_one<T>(qt + b * seq_stride, kc, vc, block_tables + b * table_stride, seq_lens[b],
+                          ot + b * seq_stride, num_kv_heads, G, head_dim, block_size, scale, h, scores);
+        }
+    }
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// q, out [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
+// head_dim], contiguous; block_tables [num_seqs, table_stride] int32; seq_lens [num_seqs] int32.
+// Returns 0, or 1 for shapes it does not handle. dtype: 0 float32, 1 bfloat16.
+int iterserve_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
+                               const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
+                               void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                               int block_size, float scale, int num_threads) {
+    if (dtype == 0)
+        return decode<float>(q, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
+                             num_kv_heads, head_dim, block_size, scale, num_threads);
+    return decode<uint16_t>(q, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, num_threads);
+}
+
+}
