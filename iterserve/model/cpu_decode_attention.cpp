@@ -131,15 +131,14 @@ inline __m512 reduce16(const __m512* a) {
 }
 
 // q . k partial sums (16 lanes) for one row; the query is kept in the form the dot wants.
-template <int D, typename T> struct Dot;
-template <int D> struct Dot<D, float> {
+template <int D, typename T> struct Dot {  // float32, or bf16 widened to float32
     __m512 q[D / 16];
-    void set(const float* src, float scale) {
-        for (int c = 0; c < D / 16; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(src + 16 * c), _mm512_set1_ps(scale));
+    void set(const T* src, float scale) {
+        for (int c = 0; c < D / 16; ++c) q[c] = _mm512_mul_ps(load16(src + 16 * c), _mm512_set1_ps(scale));
     }
-    __m512 operator()(const float* k) const {
-        __m512 a = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
-        for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), a);
+    __m512 operator()(const T* k) const {
+        __m512 a = _mm512_mul_ps(q[0], load16(k));
+        for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(q[c], load16(k + 16 * c), a);
         return a;
     }
     static constexpr bool scaled = true;
@@ -156,19 +155,6 @@ template <int D> struct Dot<D, uint16_t> {  // bf16 pairs straight from the cach
         return a;
     }
     static constexpr bool scaled = false;  // scale applied to the sums
-};
-#else
-template <int D> struct Dot<D, uint16_t> {
-    __m512 q[D / 16];
-    void set(const uint16_t* src, float scale) {
-        for (int c = 0; c < D / 16; ++c) q[c] = _mm512_mul_ps(load16(src + 16 * c), _mm512_set1_ps(scale));
-    }
-    __m512 operator()(const uint16_t* k) const {
-        __m512 a = _mm512_mul_ps(q[0], load16(k));
-        for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(q[c], load16(k + 16 * c), a);
-        return a;
-    }
-    static constexpr bool scaled = true;
 };
 #endif
 
