@@ -169,7 +169,10 @@ def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torc
         k = layer_cache[0].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
         v = layer_cache[1].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
     # 4-D [1, H, T, D]: torch's CPU flash kernel takes only 4-D inputs; 3-D falls back to the math
-    # path (~2x slower at 512 tokens, measured)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+    # path (~2x slower at 512 tokens, measured). On CPU its float32 kernel is faster than its bf16
+    # one (5.7 vs 8.1 ms for 512 tokens, 9 heads), and more exact: widen, attend, narrow.
+    dtype = q.dtype
+    wide = torch.float32 if q.device.type == "cpu" else dtype
+    out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None].to(wide) for x in (q, k, v)),
                                          attn_mask=p.mask, is_causal=p.fresh, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(dtype)
