@@ -122,10 +122,9 @@ class LlamaModel:
         return x + linear(F.silu(gate) * up, layer.down)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' order: normalize in float32, cast back, then scale by the weight
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        # transformers' order: normalize in float32, cast back, then scale by the weight (one fused
+        # op for the normalization: a step is ~60 of these, and at batch 1 each op's overhead counts)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
