@@ -1,7 +1,8 @@
 """Output tokens/s of one workload offline (LLM.generate, in process) and through `iterserve serve`.
 
-The server runs in a subprocess with the same engine flags, and this process drives it with the
-official openai client at the given concurrency, so client work does not share the server's GIL.
+The server runs in a subprocess with the same engine flags, and this process drives it at the given
+concurrency with streamed completions: by default over raw httpx reading SSE lines (a lean load
+generator, as vLLM's benchmark_serving is), or with `--client openai` through the official client.
 Every request generates exactly --max-tokens tokens (ignore_eos), so both paths do the same work.
 
     python benchmarks/http_vs_offline.py --num-prompts 64 --concurrency 32 --max-tokens 64 [--repeats 3]
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import statistics
@@ -56,23 +58,54 @@ def offline_runner(args, engine_argv: list[str]):
     return run
 
 
-async def drive_server(url: str, args) -> tuple[float, float]:
-    import httpx
+def openai_streamer(url: str, args):
+    """One streamed completion through the official openai client; returns its output token count."""
     import openai
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=3600)
 
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=3600) as client:
-        sem = asyncio.Semaphore(args.concurrency)
+    async def one(prompt: str) -> int:
+        stream = await client.completions.create(
+            model="bench", prompt=prompt, max_tokens=args.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        usage = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+        return usage.completion_tokens
+    return one, client.close
 
-        async def one(prompt: str) -> int:
-            async with sem:
-                stream = await client.completions.create(
-                    model="bench", prompt=prompt, max_tokens=args.max_tokens, temperature=0, stream=True,
-                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-                usage = None
-                async for chunk in stream:
-                    usage = chunk.usage or usage
-                return usage.completion_tokens
 
+def httpx_streamer(url: str, args):
+    """The same request over raw httpx, reading the SSE lines and decoding only the last event (the
+    usage), as vLLM's benchmark_serving does with aiohttp: a lean load generator, which matters when
+    it shares the server's two cores (the openai client builds a pydantic object per token)."""
+    import httpx
+    client = httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=args.concurrency + 8))
+    body = {"model": "bench", "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+    async def one(prompt: str) -> int:
+        last = None
+        async with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    last = line
+        return json.loads(last[6:])["usage"]["completion_tokens"]
+    return one, client.aclose
+
+
+async def drive_server(url: str, args) -> tuple[float, float, float]:
+    """Output tokens/s through the server, the worst /health latency meanwhile, and the client's CPU seconds."""
+    import httpx
+
+    request, close = (openai_streamer if args.client == "openai" else httpx_streamer)(url, args)
+    sem = asyncio.Semaphore(args.concurrency)
+
+    async def one(prompt: str) -> int:
+        async with sem:
+            return await request(prompt)
+
+    try:
         await asyncio.gather(*(one(p) for p in prompts(2)))  # warm-up
         # The event loop's responsiveness under load: /health latency while the run is going.
         health: list[float] = []
@@ -87,13 +120,15 @@ async def drive_server(url: str, args) -> tuple[float, float]:
 
         done = asyncio.Event()
         prober = asyncio.create_task(probe(done))
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         counts = await asyncio.gather(*(one(p) for p in prompts(args.num_prompts)))
-        elapsed = time.perf_counter() - t0
+        elapsed, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
         done.set()
         await prober
+    finally:
+        await close()
     assert sum(counts) == args.num_prompts * args.max_tokens, counts
-    return sum(counts) / elapsed, max(health, default=0.0)
+    return sum(counts) / elapsed, max(health, default=0.0), client_cpu
 
 
 def start_server(engine_argv: list[str], verbose: bool) -> tuple[subprocess.Popen, str]:
@@ -127,6 +162,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3,
                         help="offline and HTTP runs, alternated (this machine is noisy: medians are compared)")
+    parser.add_argument("--client", choices=["httpx", "openai"], default="httpx",
+                        help="load generator: raw httpx SSE (lean, the default) or the official openai client")
     parser.add_argument("--verbose", action="store_true", help="show the server's log")
     args, engine_argv = parser.parse_known_args()
     if "--max-num-seqs" not in engine_argv:  # the same batch size both ways: apples to apples
@@ -134,13 +171,14 @@ def main() -> int:
     print("command:", " ".join([os.path.basename(sys.executable), *sys.argv]))
     run_offline = offline_runner(args, engine_argv)
     server, url = start_server(engine_argv, args.verbose)
-    offline, http, health = [], [], []
+    offline, http, health, client_cpu = [], [], [], []
     try:
         for i in range(args.repeats):  # one at a time: the server is idle while offline runs, and back
             offline.append(run_offline())
-            tokens_per_s, worst_health = asyncio.run(drive_server(url, args))
+            tokens_per_s, worst_health, cpu = asyncio.run(drive_server(url, args))
             http.append(tokens_per_s)
             health.append(worst_health)
+            client_cpu.append(cpu)
             print(f"run {i + 1}: offline {offline[-1]:.1f}, HTTP {http[-1]:.1f} output tokens/s", flush=True)
     finally:
         server.terminate()
@@ -149,7 +187,8 @@ def main() -> int:
     print(f"offline (LLM.generate):        {med_offline:8.1f} output tokens/s (median of {args.repeats})")
     print(f"HTTP (serve, concurrency {args.concurrency:>3}): {med_http:8.1f} output tokens/s (median of {args.repeats})")
     print(f"HTTP / offline: {100 * med_http / med_offline:.1f}%  (target >= 90%); "
-          f"worst /health latency under load: {1000 * max(health):.0f} ms")
+          f"worst /health latency under load: {1000 * max(health):.0f} ms; "
+          f"load generator ({args.client}) CPU: {statistics.median(client_cpu):.2f} s per run")
     return 0
 
 
