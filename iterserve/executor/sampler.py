@@ -48,7 +48,11 @@ def make_batch(params: list[SamplingParams], generators: list[torch.Generator | 
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-    """logits [S, vocab] float32 -> (token per row, logprobs per row or None)."""
+    """logits [S, vocab] in any float dtype -> (token per row, logprobs per row or None)."""
+    if batch.all_greedy and batch.max_logprobs < 0:
+        # widening to float32 keeps order and ties, so argmax needs no copy (64 x 49k logits: ~2 ms)
+        return logits.argmax(dim=-1).tolist(), None
+    logits = logits.float()
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:

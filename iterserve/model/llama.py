@@ -98,14 +98,15 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids/positions [T]; kv_cache [L, 2, blocks, block_size, Hkv, D] -> float32 logits [S, vocab]."""
+        """input_ids/positions [T]; kv_cache [L, 2, blocks, block_size, Hkv, D] -> logits [S, vocab] in the
+        model's dtype (the sampler widens them where it needs to: a greedy batch takes argmax as is)."""
         plan = self.attention.prepare(attn_metadata)
         cos, sin = self.cos[positions], self.sin[positions]
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = self._layer_forward(x, layer, kv_cache[i], plan, cos, sin)
         h = self._rms_norm(x.index_select(0, logits_indices), self.norm)
-        return linear(h, self.lm_head).float()
+        return linear(h, self.lm_head)
 
     __call__ = forward
 
