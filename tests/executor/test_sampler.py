@@ -25,6 +25,13 @@ def test_greedy_is_argmax():
     assert tokens == logits.argmax(-1).tolist() and lps is None
 
 
+def test_greedy_on_bf16_logits_takes_the_first_maximum_like_float32_argmax():
+    logits = torch.randint(-2, 3, (16, 4096)).to(torch.bfloat16)  # many ties in every row
+    for logprobs in (None, 2):  # the copy-free path, and the float32 one logprobs take
+        tokens, _ = run(logits, [SamplingParams(temperature=0.0, logprobs=logprobs)] * 16)
+        assert tokens == logits.float().argmax(-1).tolist()
+
+
 def test_greedy_rows_stay_argmax_in_a_mixed_batch():
     logits = torch.randn(3, V)
     tokens, _ = run(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
