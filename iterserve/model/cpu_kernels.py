@@ -45,8 +45,9 @@ def _cache_dir() -> Path:
 
 
 @functools.cache
-def decode_attention_kernel():
-    """The C function, or None when it cannot be built here."""
+def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
+    """The C function, or None when it cannot be built here. extra_flags (tests): e.g. -mno-avx512f
+    builds the portable loops, -mno-avx512bf16 the AVX-512 path without bf16 dot products."""
     if os.environ.get("ITERSERVE_CPU_KERNELS", "1") == "0":
         return None
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -54,11 +55,12 @@ def decode_attention_kernel():
         logger.warning("no C++ compiler: CPU decode attention falls back to gather + torch matmuls (slower)")
         return None
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cxx, *FLAGS]).encode() + _cpu_flags()).hexdigest()[:16]
+    flags = [*FLAGS, *extra_flags]
+    key = hashlib.sha256(source + " ".join([cxx, *flags]).encode() + _cpu_flags()).hexdigest()[:16]
     lib_path = _cache_dir() / f"cpu_decode_attention-{key}.so"
     if not lib_path.exists():
         tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
-        result = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        result = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
         if result.returncode != 0:
             logger.warning("building the CPU decode-attention kernel failed, falling back to torch:\n%s",
                            result.stderr[-2000:])
@@ -74,9 +76,9 @@ def decode_attention_kernel():
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, num_threads: int) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, num_threads: int, kernel=None) -> torch.Tensor:
     """q [B, H, D] -> out [B, H, D]; caches [num_blocks, block_size, Hkv, D]; tables/lens int32."""
-    fn = decode_attention_kernel()
+    fn = kernel or decode_attention_kernel()
     q = q.contiguous()
     b, h, d = q.shape
     _, block_size, hkv, _ = k_cache.shape

@@ -111,3 +111,21 @@ def test_kernel_rejects_shapes_it_does_not_handle():
     with pytest.raises(ValueError, match="unsupported shape"):
         cpu_kernels.decode_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
                                      torch.ones(1, dtype=torch.int32), 1.0, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)])  # the paths other CPUs take
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_builds_without_avx512_bf16_or_avx512_and_agrees(flags, dtype, tol):
+    kernel = cpu_kernels.decode_attention_kernel(flags)
+    assert kernel is not None
+    torch.manual_seed(3)
+    q = torch.randn(5, H, 64, dtype=dtype)
+    cache = torch.randn(2, 40, BS, HKV, 64, dtype=dtype)
+    tables = torch.randperm(40).to(torch.int32).view(5, 8).contiguous()
+    seq_lens = torch.tensor([1, 7, 16, 17, 32], dtype=torch.int32)
+    got = cpu_kernels.decode_attention(q, cache[0], cache[1], tables, seq_lens, 0.35, 2, kernel=kernel)
+    for b in range(5):
+        rows = [tables[b, p // BS].item() * BS + p % BS for p in range(seq_lens[b])]
+        k, v = (cache[i].view(-1, HKV, 64)[rows] for i in (0, 1))
+        torch.testing.assert_close(got[b].float(), reference(q[b], k, v, 0.35), atol=tol, rtol=tol)
