@@ -60,7 +60,10 @@ def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
     lib_path = _cache_dir() / f"cpu_decode_attention-{key}.so"
     if not lib_path.exists():
         tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
-        result = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        try:
+            result = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        except OSError as exc:
+            result = subprocess.CompletedProcess([cxx], 127, "", str(exc))
         if result.returncode != 0:
             logger.warning("building the CPU decode-attention kernel failed, falling back to torch:\n%s",
                            result.stderr[-2000:])
@@ -68,7 +71,11 @@ def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
         os.replace(tmp, lib_path)  # atomic: a concurrent process sees no half-written library
     # torch (imported above) has loaded its libgomp.so.1, so the kernel's OpenMP binds to that
     # same runtime and thread pool rather than a second one.
-    fn = ctypes.CDLL(str(lib_path)).iterserve_decode_attention
+    try:
+        fn = ctypes.CDLL(str(lib_path)).iterserve_decode_attention
+    except (OSError, AttributeError) as exc:  # a stale or foreign library: fall back, do not crash
+        logger.warning("loading the CPU decode-attention kernel failed, falling back to torch: %s", exc)
+        return None
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [i32, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
     fn.restype = i32

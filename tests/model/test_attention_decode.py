@@ -129,3 +129,20 @@ def test_kernel_builds_without_avx512_bf16_or_avx512_and_agrees(flags, dtype, to
         rows = [tables[b, p // BS].item() * BS + p % BS for p in range(seq_lens[b])]
         k, v = (cache[i].view(-1, HKV, 64)[rows] for i in (0, 1))
         torch.testing.assert_close(got[b].float(), reference(q[b], k, v, 0.35), atol=tol, rtol=tol)
+
+
+def test_a_kernel_that_cannot_be_built_or_loaded_means_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    cpu_kernels.decode_attention_kernel.cache_clear()
+    try:
+        assert cpu_kernels.decode_attention_kernel() is None  # a compiler that is not there
+        cpu_kernels.decode_attention_kernel.cache_clear()
+        monkeypatch.setenv("CXX", "false")  # a compiler that fails
+        assert cpu_kernels.decode_attention_kernel() is None
+        cpu_kernels.decode_attention_kernel.cache_clear()
+        monkeypatch.delenv("CXX")
+        monkeypatch.setenv("ITERSERVE_CPU_KERNELS", "0")
+        assert cpu_kernels.decode_attention_kernel() is None
+    finally:
+        cpu_kernels.decode_attention_kernel.cache_clear()
