@@ -24,7 +24,7 @@ from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from step_time import bandwidth, bare_linear, decode_plan, linear_weights, matmul_peak, timed  # benchmarks/ is on sys.path
+from step_time import bandwidth, linear_weights, matmul_peak, ours_and_bare, timed  # benchmarks/ is on sys.path
 
 
 def prefill_plan(n: int, block_size: int) -> SchedulerOutput:
@@ -65,10 +65,7 @@ def main() -> None:
     print(f"{'B':>4} {'iterserve':>10} {'bare linear':>12} {'x bare':>7} {'roof':>7} {'bound':>6} {'reached':>8}")
     with torch.inference_mode():
         for b in batches:
-            plan = decode_plan(b, args.context, bps)
-            ours = timed(lambda: runner.execute(plan), args.repeats)
-            x = torch.randn(b, max(w.shape[1] for w in weights), dtype=dtype)
-            bare = timed(lambda: bare_linear(weights, x, x[:, : weights[-1].shape[1]]), args.repeats)
+            ours, bare = ours_and_bare(runner, weights, b, args.context, bps, args.repeats)
             mem = (wbytes + b * (args.context + 1) * kv_per_token) / bw
             flop = (2 * b * params + b * (args.context + 1) * attn_flops_per_pair) / peak
             roof = max(mem, flop)

@@ -64,6 +64,15 @@ def bare_linear(weights: list[Weight], x: torch.Tensor, lm_x: torch.Tensor) -> N
     linear(lm_x, weights[-1])
 
 
+def ours_and_bare(runner: ModelRunner, weights: list[Weight], batch: int, context: int, blocks_per_seq: int,
+                  repeats: int) -> tuple[float, float]:
+    """Median seconds of one decode step at this batch, and of the bare linear pass at its shapes."""
+    plan = decode_plan(batch, context, blocks_per_seq)
+    ours = timed(lambda: runner.execute(plan), repeats)
+    x = torch.randn(batch, max(w.shape[1] for w in weights), dtype=runner.dtype)
+    return ours, timed(lambda: bare_linear(weights, x, x[:, : weights[-1].shape[1]]), repeats)
+
+
 def hf_model(path: str, dtype: torch.dtype):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from conftest import load_hf_gguf_model  # transformers' own GGUF loader, as the tests use it
@@ -115,10 +124,7 @@ def main() -> None:
           f"{'roof mem':>9} {'roof flop':>10}   (ms per decode step, context {args.context})")
     with torch.inference_mode():
         for b in batches:
-            plan = decode_plan(b, args.context, bps)
-            ours = timed(lambda: runner.execute(plan), args.repeats)
-            x = torch.randn(b, max(w.shape[1] for w in weights), dtype=dtype)
-            bare = timed(lambda: bare_linear(weights, x, x[:, : weights[-1].shape[1]]), args.repeats)
+            ours, bare = ours_and_bare(runner, weights, b, args.context, bps, args.repeats)
             theirs = timed(hf_step_fn(hf, b, args.context, dtype), args.repeats) if hf is not None else float("nan")
             flops = 2 * b * sum(w.shape[0] * w.shape[1] for w in weights)
             print(f"{b:>4} {ours * 1e3:>10.1f} {theirs * 1e3:>13.1f} {ours / theirs:>6.2f} {bare * 1e3:>12.1f} "
