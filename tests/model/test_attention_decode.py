@@ -105,6 +105,23 @@ def test_kernel_reads_scattered_blocks_in_place(head_dim, dtype, tol, prompt_len
 
 
 @needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (16, 2), (4, 4), (8, 1)])  # the P.V pass tiles query heads
+def test_kernel_handles_every_query_head_grouping(head_dim, heads, kv_heads):
+    torch.manual_seed(4)
+    bs = 16
+    q = torch.randn(3, heads, head_dim, dtype=torch.bfloat16)
+    cache = torch.randn(2, 12, bs, kv_heads, head_dim, dtype=torch.bfloat16)
+    tables = torch.randperm(12).to(torch.int32).view(3, 4).contiguous()
+    seq_lens = torch.tensor([3, 33, 64], dtype=torch.int32)
+    got = cpu_kernels.decode_attention(q, cache[0], cache[1], tables, seq_lens, 0.125, 2)
+    for b in range(3):
+        rows = [tables[b, p // bs].item() * bs + p % bs for p in range(seq_lens[b])]
+        k, v = (cache[i].view(-1, kv_heads, head_dim)[rows] for i in (0, 1))
+        torch.testing.assert_close(got[b].float(), reference(q[b], k, v, 0.125), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
 def test_kernel_rejects_shapes_it_does_not_handle():
     q = torch.zeros(1, 40, 8)  # 40 query heads on 2 kv heads: a group of 20 is past its limit
     cache = torch.zeros(4, BS, 2, 8)
