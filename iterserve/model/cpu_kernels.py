@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ import torch
 logger = logging.getLogger("iterserve.model")
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -44,42 +46,73 @@ def _cache_dir() -> Path:
         return Path(tempfile.gettempdir())
 
 
-@functools.cache
-def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
-    """The C function, or None when it cannot be built here. extra_flags (tests): e.g. -mno-avx512f
-    builds the portable loops, -mno-avx512bf16 the AVX-512 path without bf16 dot products."""
+def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
+    """Compile source into a shared library (cached), load it; None where that cannot be done."""
     if os.environ.get("ITERSERVE_CPU_KERNELS", "1") == "0":
         return None
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        logger.warning("no C++ compiler: CPU decode attention falls back to gather + torch matmuls (slower)")
+        logger.warning("no C++ compiler: the CPU path falls back to plain torch ops (slower)")
         return None
-    source = SOURCE.read_bytes()
-    flags = [*FLAGS, *extra_flags]
-    key = hashlib.sha256(source + " ".join([cxx, *flags]).encode() + _cpu_flags()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"cpu_decode_attention-{key}.so"
+    code = source.read_bytes()
+    key = hashlib.sha256(code + " ".join([cxx, *flags]).encode() + _cpu_flags()).hexdigest()[:16]
+    lib_path = _cache_dir() / f"{source.stem}-{key}.so"
     if not lib_path.exists():
         tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
         try:
-            result = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+            result = subprocess.run([cxx, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
         except OSError as exc:
             result = subprocess.CompletedProcess([cxx], 127, "", str(exc))
         if result.returncode != 0:
-            logger.warning("building the CPU decode-attention kernel failed, falling back to torch:\n%s",
-                           result.stderr[-2000:])
+            logger.warning("building %s failed, falling back to torch:\n%s", source.name, result.stderr[-2000:])
             return None
         os.replace(tmp, lib_path)  # atomic: a concurrent process sees no half-written library
-    # torch (imported above) has loaded its libgomp.so.1, so the kernel's OpenMP binds to that
+    # torch (imported above) has loaded its libgomp.so.1, so the library's OpenMP binds to that
     # same runtime and thread pool rather than a second one.
     try:
-        fn = ctypes.CDLL(str(lib_path)).iterserve_decode_attention
-    except (OSError, AttributeError) as exc:  # a stale or foreign library: fall back, do not crash
-        logger.warning("loading the CPU decode-attention kernel failed, falling back to torch: %s", exc)
+        return ctypes.CDLL(str(lib_path))
+    except OSError as exc:  # a stale or foreign library: fall back, do not crash
+        logger.warning("loading %s failed, falling back to torch: %s", lib_path.name, exc)
         return None
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [i32, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = i32
+
+
+def _bind(lib: ctypes.CDLL | None, name: str, argtypes: list, restype=None):
+    fn = getattr(lib, name, None) if lib is not None else None
+    if fn is None:
+        if lib is not None:
+            logger.warning("%s is missing from its library, falling back to torch", name)
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
     return fn
+
+
+_p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+@functools.cache
+def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
+    """The C function, or None when it cannot be built here. extra_flags (tests): e.g. -mno-avx512f
+    builds the portable loops, -mno-avx512bf16 the AVX-512 path without bf16 dot products."""
+    lib = _build(SOURCE, [*FLAGS, *extra_flags])
+    return _bind(lib, "iterserve_decode_attention",
+                 [_i32, _p, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32], _i32)
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: object
+    rope: object
+    silu_mul: object
+
+
+@functools.cache
+def elementwise_ops() -> Ops | None:
+    """The fused RMSNorm / rotary / silu-and-mul functions (cpu_ops.cpp), or None when not built."""
+    lib = _build(OPS_SOURCE, [*FLAGS, "-ffp-contract=off"])
+    fns = (_bind(lib, "iterserve_rms_norm", [_i32, _p, _p, _p, _p, _i64, _i64, _f32]),
+           _bind(lib, "iterserve_rope", [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p]),
+           _bind(lib, "iterserve_silu_mul", [_i32, _p, _p, _i64, _i64]))
+    return Ops(*fns) if all(fns) else None
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -96,4 +129,35 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, scale, num_threads)
     if rc != 0:
         raise ValueError(f"decode attention kernel: unsupported shape (heads {h}, kv heads {hkv}, head dim {d})")
+    return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, hidden] -> weight * normalize(x); with residual: residual += x (in place) first, and
+    the sum is normalized. All contiguous, one dtype."""
+    out = torch.empty_like(x)
+    elementwise_ops().rms_norm(DTYPES[x.dtype], x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+                               x.shape[0], x.shape[1], eps)
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+          positions: torch.Tensor) -> None:
+    """Rotate the first `heads` heads of each row of x [T, >= heads * head_dim] (row-contiguous) in
+    place; cos/sin [max_positions, head_dim] tables, positions [T] int64."""
+    assert x.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous() and head_dim <= 1024
+    assert positions.dtype == torch.int64 and positions.is_contiguous()
+    elementwise_ops().rope(DTYPES[x.dtype], x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim,
+                           cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2n] (contiguous) -> silu(gate) * up [T, n]."""
+    t, n2 = gate_up.shape
+    out = gate_up.new_empty(t, n2 // 2)
+    elementwise_ops().silu_mul(DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t, n2 // 2)
     return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from iterserve.model import cpu_kernels
 from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.loader import ModelConfig
@@ -79,6 +80,9 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)  # rotate-half layout: dim i pairs with i + D/2
         self.cos = emb.cos().to(self.device, self.dtype)
         self.sin = emb.sin().to(self.device, self.dtype)
+        # fused C++ RMSNorm / rotary / silu-and-mul on CPU where they build (cpu_ops.cpp); torch ops otherwise
+        self.cpu_ops = self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES and \
+            cpu_kernels.elementwise_ops() is not None
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         # weights stay [out, in] for F.linear: a pre-transposed [in, out] copy used as x @ W was no
@@ -101,31 +105,49 @@ class LlamaModel:
         """input_ids/positions [T]; kv_cache [L, 2, blocks, block_size, Hkv, D] -> logits [S, vocab] in the
         model's dtype (the sampler widens them where it needs to: a greedy batch takes argmax as is)."""
         plan = self.attention.prepare(attn_metadata)
-        cos, sin = self.cos[positions], self.sin[positions]
-        x = F.embedding(input_ids, self.embed)
+        cos_sin = None if self.cpu_ops else (self.cos[positions], self.sin[positions])
+        x, delta = F.embedding(input_ids, self.embed), None
         for i, layer in enumerate(self.layers):
-            x = self._layer_forward(x, layer, kv_cache[i], plan, cos, sin)
-        h = self._rms_norm(x.index_select(0, logits_indices), self.norm)
+            x, delta = self._layer_forward(x, delta, layer, kv_cache[i], plan, positions, cos_sin)
+        h = self._rms_norm(delta.index_select(0, logits_indices), self.norm, x.index_select(0, logits_indices))
         return linear(h, self.lm_head)
 
     __call__ = forward
 
-    def _layer_forward(self, x, layer: LayerWeights, layer_cache, plan, cos, sin) -> torch.Tensor:
+    def _layer_forward(self, x, delta, layer: LayerWeights, layer_cache, plan, positions, cos_sin):
+        """x: the residual stream; delta: the last layer's MLP output, not yet added to it (the add is
+        fused into this layer's first norm). Returns the same pair for the next layer."""
         t, cfg = x.shape[0], self.cfg
-        qkv = linear(self._rms_norm(x, layer.input_norm), layer.qkv, layer.qkv_bias)
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim)
-        qk = _rope(qk, cos, sin)  # q and k heads rotated in one pass
-        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
+        h = self._rms_norm(x, layer.input_norm) if delta is None else self._rms_norm(delta, layer.input_norm, x)
+        qkv = linear(h, layer.qkv, layer.qkv_bias)
+        q, k = self._rotate(qkv, positions, cos_sin)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         attn = self.attention.attend(q, k, v, layer_cache, plan, self.scale)
-        x = x + linear(attn.reshape(t, self.q_size), layer.o)
-        gate, up = linear(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, layer.down)
+        h = self._rms_norm(linear(attn.reshape(t, self.q_size), layer.o), layer.post_norm, x)
+        gate_up = linear(h, layer.gate_up)
+        if self.cpu_ops:
+            return x, linear(cpu_kernels.silu_mul(gate_up), layer.down)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x, linear(F.silu(gate) * up, layer.down)
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' order: normalize in float32, cast back, then scale by the weight (one fused
-        # op for the normalization: a step is ~60 of these, and at batch 1 each op's overhead counts)
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """weight * normalize(x); with residual: residual += x in place first, and the sum is normalized.
+        transformers' order: normalize in float32, cast back, then scale by the weight."""
+        if self.cpu_ops:
+            return cpu_kernels.rms_norm(x, weight, self.cfg.rms_norm_eps, residual)
+        if residual is not None:
+            x = residual.add_(x)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps).to(x.dtype)
+
+    def _rotate(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding on the q and k heads of qkv [T, (H + 2 Hkv) * D] -> q [T, H, D], k [T, Hkv, D]."""
+        t, cfg = qkv.shape[0], self.cfg
+        if self.cpu_ops:  # in place, cos/sin looked up per row inside
+            cpu_kernels.rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim)
+        else:
+            qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim), *cos_sin)
+        return qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

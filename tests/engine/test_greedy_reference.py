@@ -140,16 +140,24 @@ def test_prefix_cache_hits_give_the_same_tokens(runner_fp32, prompts, single):
     assert_close_all(engine_outputs[len(prompts):], single)
 
 
-def test_bfloat16_matches_for_eight_tokens(prompts, reference_bf16, reference):
-    """Logprob-close to transformers in bf16 and in float32, and no further from float32 (tokens
-    that differ) than transformers' own bf16 is: our decode attention keeps softmax and the weighted
-    sum in float32, so bf16 runs may part from transformers' bf16 exactly where it parts from float32."""
+def argmax_misses(a, b) -> int:
+    """Positions where a's greedy token differs from b's, over every prompt (both teacher-forced on
+    the same tokens, so each position compares the same input)."""
+    return sum(x != y for (ta, _), (tb, _) in zip(a, b) for x, y in zip(ta, tb))
+
+
+@pytest.mark.parametrize("fused_ops", [True, False])
+def test_bfloat16_is_as_close_to_float32_as_transformers_bf16(prompts, reference_bf16, reference, fused_ops):
+    """Logprob-close to transformers in bf16 and in float32 for 8 tokens, and over all 32 tokens no
+    further from float32 than transformers' own bf16 is: at each position, both teacher-forced on our
+    tokens, how often the greedy token differs from float32's. (Whole prompts that part within 8
+    tokens were counted before: a statistic of 8 coin flips, which any last-bit change moved.)"""
     runner = ModelRunner(EngineConfig(dtype="bfloat16", num_kv_blocks=128))
-    ours, _ = generate(runner, prompts, num_tokens=8)
+    runner.model.cpu_ops = runner.model.cpu_ops and fused_ops  # the C++ elementwise ops, and torch's
+    ours, _ = generate(runner, prompts)
     theirs_bf16, theirs_fp32 = reference_bf16(ours), reference(ours)
     assert_close_all(ours, theirs_bf16, n=8, max_diverged=len(prompts))
     assert_close_all(ours, theirs_fp32, n=8, max_diverged=len(prompts))
-    ours_off = sum(diverged(a, b, 8) for a, b in zip(ours, theirs_fp32))
-    theirs_off = sum(diverged(a, b, 8) for a, b in zip(theirs_bf16, theirs_fp32))
-    assert ours_off <= max(theirs_off, 1), f"{ours_off} prompts part from float32, transformers' bf16: {theirs_off}"
-
+    ours_off, theirs_off = argmax_misses(ours, theirs_fp32), argmax_misses(theirs_bf16, theirs_fp32)
+    print(f"positions off float32's greedy token: ours {ours_off}, transformers' bf16 {theirs_off}")
+    assert ours_off <= max(theirs_off, 2), f"ours {ours_off} vs transformers' bf16 {theirs_off} of {NEW_TOKENS * len(prompts)}"

@@ -1,0 +1,156 @@
+// The elementwise ops of a Llama layer, fused, for the CPU path (see cpu_kernels.py).
+//
+// In torch each is 3-8 ops over the whole batch (RMSNorm alone: widen, square, mean, rsqrt, scale,
+// narrow, weight), each a pass over memory plus ~5-20 us of dispatch: ~17 ms of a 100 ms decode step
+// at batch 64, measured. Here each is one pass. Results are rounded to the model dtype where torch's
+// op-by-op code rounds, so they match it up to the last float bit of a sum or an exp (which can flip
+// a bf16 rounding now and then). Built with -ffp-contract=off: a fused multiply-add would round
+// differently from torch's separate ops.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) {  // bfloat16 is the high half of a float32
+    uint32_t u = uint32_t(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+template <typename T> T from_f32(float x);
+template <> inline float from_f32<float>(float x) { return x; }
+template <> inline uint16_t from_f32<uint16_t>(float x) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : rounded);  // NaN stays NaN; no branch
+}
+
+template <typename T> inline float round_trip(float x) { return to_f32(from_f32<T>(x)); }
+
+// e^x for x <= 0 (silu's e^-|x|), written so the compiler vectorizes the loop around it (a call to
+// expf would not be): 2^n * 2^f, |f| <= 1/2, degree-6 Taylor of 2^f; relative error ~1e-7.
+inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float t = x * 1.44269504f;
+    const float n = (t - 12582912.f) + 12582912.f;  // round to nearest: 1.5 * 2^23 pushes the fraction out
+    const float f = t - n;
+    float p = 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.f;
+    const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;  // 2^n, n in [-126, 0]
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+constexpr int64_t kParallelMin = 1 << 15;  // elements: below this, a thread team costs more than it saves
+
+// out = weight * narrow(x / sqrt(mean(x^2) + eps)), per row, in float32 then rounded as torch does.
+// With residual: residual += x first (rounded), and the sum is what is normalized.
+template <typename T>
+void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t cols, float eps) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* xr = x + r * cols;
+        T* res = residual ? residual + r * cols : nullptr;
+        T* o = out + r * cols;
+        if (res)
+            for (int64_t c = 0; c < cols; ++c) res[c] = from_f32<T>(to_f32(xr[c]) + to_f32(res[c]));
+        const T* src = res ? res : xr;
+        float lanes[16] = {};  // 16 running sums in a fixed order: vectorizes, and is deterministic
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16)
+            for (int k = 0; k < 16; ++k) lanes[k] += to_f32(src[c + k]) * to_f32(src[c + k]);
+        for (; c < cols; ++c) lanes[0] += to_f32(src[c]) * to_f32(src[c]);
+        float sum = 0.f;
+        for (int k = 0; k < 16; ++k) sum += lanes[k];
+        const float inv = 1.f / std::sqrt(sum / float(cols) + eps);
+        for (int64_t c = 0; c < cols; ++c)
+            o[c] = from_f32<T>(to_f32(weight[c]) * round_trip<T>(to_f32(src[c]) * inv));
+    }
+}
+
+// Rotary embedding in place on the first `heads` heads of each row (q then k in a fused qkv row),
+// rotate-half layout: x*cos + rotate_half(x)*sin, each product and the sum rounded like torch's ops.
+template <typename T>
+void rope(T* x, int64_t rows, int64_t row_stride, int heads, int head_dim, const T* cos, const T* sin,
+          const int64_t* positions) {
+    const int half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= kParallelMin)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* c = cos + positions[r] * head_dim;
+        const T* s = sin + positions[r] * head_dim;
+        for (int h = 0; h < heads; ++h) {
+            T* v = x + r * row_stride + int64_t(h) * head_dim;
+            float lo[512], hi[512];  // head_dim <= 1024, checked by the caller
+            for (int i = 0; i < half; ++i) {
+                const float a = to_f32(v[i]), b = to_f32(v[i + half]);
+                lo[i] = round_trip<T>(round_trip<T>(a * to_f32(c[i])) + round_trip<T>(-b * to_f32(s[i])));
+                hi[i] = round_trip<T>(round_trip<T>(b * to_f32(c[i + half])) + round_trip<T>(a * to_f32(s[i + half])));
+            }
+            for (int i = 0; i < half; ++i) {
+                v[i] = from_f32<T>(lo[i]);
+                v[i + half] = from_f32<T>(hi[i]);
+            }
+        }
+    }
+}
+
+// gate_up [rows, 2 * n] -> out [rows, n] = narrow(silu(gate)) * up, rounded after each op as torch does.
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelMin)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* g = gate_up + r * 2 * n;
+        const T* u = g + n;
+        T* o = out + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+            const float a = to_f32(g[i]);
+            const float e = exp_nonpositive(a < 0.f ? a : -a);  // e^-|a|: no overflow either way
+            const float sig = (a < 0.f ? e : 1.f) / (1.f + e);
+            o[i] = from_f32<T>(round_trip<T>(a * sig) * to_f32(u[i]));
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16. Every tensor contiguous except x in rope (rows row_stride apart).
+void iterserve_rms_norm(int dtype, const void* x, void* residual, const void* weight, void* out, int64_t rows,
+                        int64_t cols, float eps) {
+    if (dtype == 0)
+        rms_norm(static_cast<const float*>(x), static_cast<float*>(residual), static_cast<const float*>(weight),
+                 static_cast<float*>(out), rows, cols, eps);
+    else
+        rms_norm(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(residual),
+                 static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), rows, cols, eps);
+}
+
+void iterserve_rope(int dtype, void* x, int64_t rows, int64_t row_stride, int heads, int head_dim, const void* cos,
+                    const void* sin, const int64_t* positions) {
+    if (dtype == 0)
+        rope(static_cast<float*>(x), rows, row_stride, heads, head_dim, static_cast<const float*>(cos),
+             static_cast<const float*>(sin), positions);
+    else
+        rope(static_cast<uint16_t*>(x), rows, row_stride, heads, head_dim, static_cast<const uint16_t*>(cos),
+             static_cast<const uint16_t*>(sin), positions);
+}
+
+void iterserve_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int64_t n) {
+    if (dtype == 0)
+        silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, n);
+    else
+        silu_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, n);
+}
+
+}

@@ -1,0 +1,70 @@
+"""The fused C++ elementwise ops (cpu_ops.cpp) against the torch ops they replace in llama.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from iterserve.model import cpu_kernels
+from iterserve.model.llama import _rope
+
+pytestmark = pytest.mark.skipif(cpu_kernels.elementwise_ops() is None, reason="no C++ compiler here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def torch_rms_norm(x, weight, eps):
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def assert_close_to_rounding(got, want):
+    """Equal up to a last-bit difference in a float sum or exp, which can flip a bf16 rounding."""
+    if got.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2 ** -6)  # a flip, then the weight product
+        assert (got != want).float().mean() < 0.01  # nearly all bit-identical
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 x 576: past the size where it runs threaded
+def test_rms_norm_matches_torch(dtype, rows):
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, 576, dtype=dtype) * 30, torch.randn(576, dtype=dtype)
+    assert_close_to_rounding(cpu_kernels.rms_norm(x, w, 1e-5), torch_rms_norm(x, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_adds_the_residual_in_place_first(dtype):
+    torch.manual_seed(1)
+    x, residual, w = torch.randn(9, 64, dtype=dtype), torch.randn(9, 64, dtype=dtype), torch.randn(64, dtype=dtype)
+    total = residual + x
+    got = cpu_kernels.rms_norm(x, w, 1e-6, residual)
+    assert torch.equal(residual, total)  # the residual stream now holds the sum, rounded as torch's add
+    assert_close_to_rounding(got, torch_rms_norm(total, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_rope_in_place_matches_torch_and_leaves_v_alone(dtype, head_dim):
+    torch.manual_seed(2)
+    heads, kv_heads, rows = 6, 2, 11
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    positions = torch.randint(0, 500, (rows,))
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(512).float(), inv)
+    cos, sin = torch.cat([freqs, freqs], -1).cos().to(dtype), torch.cat([freqs, freqs], -1).sin().to(dtype)
+    n = (heads + kv_heads) * head_dim
+    want = _rope(qkv[:, :n].view(rows, -1, head_dim), cos[positions], sin[positions]).reshape(rows, n)
+    got = qkv.clone()
+    cpu_kernels.rope_(got, heads + kv_heads, head_dim, cos, sin, positions)
+    assert torch.equal(got[:, :n], want)  # no sums: bit-identical to torch's op-by-op rounding
+    assert torch.equal(got[:, n:], qkv[:, n:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64])
+def test_silu_mul_matches_torch(dtype, rows):
+    torch.manual_seed(3)
+    gate_up = torch.randn(rows, 2 * 1536, dtype=dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_close_to_rounding(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up)
