@@ -61,6 +61,7 @@ class AttentionPlan:
     decode_tables: torch.Tensor | None = None  # [Bd, nb] int32
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int32
     num_threads: int = 1
+    prompt_kernel: bool = False  # prompt rows through the C++ causal kernel where it supports dtype and head dim
     # set by the first layer, which sees the cache's shape, and reused by the others:
     decode_kv_rows: torch.Tensor | None = None  # [Bd * Hkv * L] rows of layer_cache[0].view(-1, D), head-major
     decode_ctx: torch.Tensor | None = None  # [2, Bd, Hkv, L, D] the gather target
@@ -69,7 +70,8 @@ class AttentionPlan:
 def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
                workspace: Workspace | None = None, use_kernel: bool = False) -> AttentionPlan:
     """workspace: where the decode context is gathered (a fresh tensor per step without one).
-    use_kernel: decode rows go through the C++ kernel, which reads the paged cache in place."""
+    use_kernel: decode rows go through the C++ kernel, which reads the paged cache in place, and
+    prompt rows through its causal kernel where that supports the dtype and head dim."""
     starts = md.query_start_loc.tolist() if md.max_query_len > 1 else range(md.num_seqs + 1)
     dec = [b for b, q in enumerate(md.query_lens_list) if q == 1]
     decode_rows = decode_blocks = decode_bias = decode_tables = decode_seq_lens = None
@@ -103,7 +105,7 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
         prompts.append(PromptSeq(slice(s, s + q_len), seq_len, fresh,
                                  md.block_tables[b, : -(-seq_len // block_size)].long(), mask))
     return AttentionPlan(block_size, md.slot_mapping, decode_rows, decode_all, decode_blocks, decode_bias, prompts,
-                         workspace, decode_tables, decode_seq_lens, torch.get_num_threads())
+                         workspace, decode_tables, decode_seq_lens, torch.get_num_threads(), use_kernel)
 
 
 def _kv_rows(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
@@ -131,7 +133,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
     if decode_rows_present(plan):
         out.index_copy_(0, plan.decode_rows, _decode(q.index_select(0, plan.decode_rows), layer_cache, plan, scale))
     for p in plan.prompts:
-        out[p.rows] = _prompt(q[p.rows], k[p.rows], v[p.rows], layer_cache, p, scale)
+        out[p.rows] = _prompt(q[p.rows], k[p.rows], v[p.rows], layer_cache, p, scale, plan)
     return out
 
 
@@ -162,12 +164,14 @@ def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, sca
 
 
 def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-            p: PromptSeq, scale: float) -> torch.Tensor:
+            p: PromptSeq, scale: float, plan: AttentionPlan) -> torch.Tensor:
     if not p.fresh:  # context = cached tokens (this step's were just written) read through the block table
         hkv, d = layer_cache.shape[3:]
         # index_select copies whole blocks (memcpy); advanced indexing goes element by element (~8x slower)
         k = layer_cache[0].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
         v = layer_cache[1].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
+    if plan.prompt_kernel and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
+        return cpu_kernels.prompt_attention(q, k, v, scale, plan.num_threads)  # causal, bottom-right aligned
     # 4-D [1, H, T, D]: torch's CPU flash kernel takes only 4-D inputs; 3-D falls back to the math
     # path (~2x slower at 512 tokens, measured). On CPU its float32 kernel is faster than its bf16
     # one (5.7 vs 8.1 ms for 512 tokens, 9 heads), and more exact: widen, attend, narrow.

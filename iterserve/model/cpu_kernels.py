@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel (cpu_decode_attention.cpp), built on first use and loaded with ctypes.
+"""The CPU kernels: attention (cpu_attention.cpp: decode over the paged cache, causal prompts) and
+the fused elementwise ops (cpu_ops.cpp), built on first use and loaded with ctypes.
 
 It is plain C++ with no torch headers, so the system compiler builds it in about a second; the
 library is cached under ~/.cache/iterserve keyed by the source, the flags and this CPU's feature
@@ -22,7 +23,7 @@ import torch
 
 logger = logging.getLogger("iterserve.model")
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.cpp")
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -98,6 +99,22 @@ def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
                  [_i32, _p, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32], _i32)
 
 
+@functools.cache
+def prompt_attention_kernel():
+    """The causal prompt-attention function (bf16, AVX-512 BF16 builds), or None."""
+    lib = _build(SOURCE, FLAGS)
+    fn = _bind(lib, "iterserve_prompt_attention",
+               [_i32, _p, _i64, _p, _i64, _p, _i64, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32], _i32)
+    supported = _bind(lib, "iterserve_prompt_attention_supported", [_i32, _i32], _i32)
+    return (fn, supported) if fn is not None and supported is not None else None
+
+
+@functools.cache
+def prompt_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    kernel = prompt_attention_kernel()
+    return kernel is not None and dtype in DTYPES and bool(kernel[1](DTYPES[dtype], head_dim))
+
+
 @dataclass(frozen=True)
 class Ops:
     rms_norm: object
@@ -129,6 +146,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, scale, num_threads)
     if rc != 0:
         raise ValueError(f"decode attention kernel: unsupported shape (heads {h}, kv heads {hkv}, head dim {d})")
+    return out
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, num_threads: int) -> torch.Tensor:
+    """Causal attention: q [T, H, D] at positions S-T .. S-1, k/v [S, Hkv, D] -> out [T, H, D]. Rows may
+    be strided (views into qkv); each row's heads contiguous. Only where prompt_attention_supported."""
+    t, h, d = q.shape
+    s, hkv, _ = k.shape
+    assert all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k, v)) and v.shape == k.shape
+    out = q.new_empty(t, h, d)
+    rc = prompt_attention_kernel()[0](DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                                      v.data_ptr(), v.stride(0), out.data_ptr(), t, s, h, hkv, d, scale, num_threads)
+    if rc != 0:
+        raise ValueError(f"prompt attention kernel: unsupported (dtype {q.dtype}, heads {h}/{hkv}, head dim {d}, {t} of {s})")
     return out
 
 

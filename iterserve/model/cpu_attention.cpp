@@ -7,6 +7,7 @@
 //
 // Plain C ABI, no torch headers, so it builds in about a second; OpenMP resolves to the libgomp
 // torch has already loaded, so it shares torch's thread pool instead of starting a second one.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -252,6 +253,127 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
 }
 #endif
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// Causal attention of one prompt (or chunk) in bf16: T queries at positions S-T .. S-1 over keys
+// 0 .. S-1, flash-style (online softmax over 16-key blocks, nothing T x S materialized). torch's
+// CPU flash kernel computes every key block even where the causal mask zeroes it; this one stops at
+// each query tile's last key. Q.K runs on bf16 pair dot products over K blocks laid out
+// pair-interleaved (kt); softmax and P.V in float32.
+constexpr int kTile = 16;  // queries per work item, keys per block
+
+template <int D>
+struct PromptScratch {
+    std::vector<uint32_t> kt;  // [Hkv][blocks][D/2][16]: key j's bf16 pair (2d, 2d+1) at [d][j]
+    std::vector<float> vf;     // [Hkv][blocks][16][D]: V widened to float, zero past S
+};
+
+template <int D>
+void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int S, int H, int G, int h, int tile,
+                 float scale, const uint32_t* kt, const float* vf, std::vector<float>& acc_buf) {
+    constexpr int C = D / 16, P = D / 2;
+    const int rows = T - tile * kTile < kTile ? T - tile * kTile : kTile, nq = rows * G;
+    acc_buf.assign(size_t(nq) * (D + 2), 0.f);
+    float* acc = acc_buf.data();        // [nq][D]
+    float* m = acc + size_t(nq) * D;     // running max per query vector
+    float* l = m + nq;                   // running sum
+    for (int i = 0; i < nq; ++i) m[i] = -INFINITY;
+    const int first_pos = S - T + tile * kTile;  // absolute position of the tile's first query
+    const int num_blocks = (first_pos + rows - 1) / kTile + 1;
+    alignas(64) float sc[4][16];
+    for (int b = 0; b < num_blocks; ++b) {
+        const uint32_t* kb = kt + size_t(b) * P * 16;
+        const float* vb = vf + size_t(b) * 16 * D;
+        for (int i0 = 0; i0 < nq; i0 += 4) {  // 4 query vectors share each K load
+            const int n = nq - i0 < 4 ? nq - i0 : 4;
+            const uint32_t* qp[4];
+            for (int t = 0; t < 4; ++t) {
+                const int i = i0 + (t < n ? t : 0), r = i / G, g = i % G;
+                qp[t] = reinterpret_cast<const uint32_t*>(q + (tile * kTile + r) * q_stride + (h * G + g) * D);
+            }
+            __m512 s4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int d = 0; d < P; ++d) {
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + d * 16);
+                for (int t = 0; t < 4; ++t)
+                    s4[t] = _mm512_dpbf16_ps(s4[t], (__m512bh)_mm512_set1_epi32(int(qp[t][d])), kv);
+            }
+            for (int t = 0; t < n; ++t) {
+                const int i = i0 + t, pos = first_pos + i / G;
+                const int valid = pos - b * kTile + 1;  // keys of this block at or before pos
+                if (valid <= 0) { for (int j = 0; j < 16; ++j) sc[t][j] = 0.f; continue; }
+                const __mmask16 live = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1u);
+                const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(s4[t], _mm512_set1_ps(scale)));
+                const float m_new = std::max(m[i], _mm512_reduce_max_ps(x));
+                const float corr = std::exp(m[i] - m_new);  // 0 on the first block (m = -inf)
+                const __m512 pr = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
+                l[i] = l[i] * corr + _mm512_reduce_add_ps(pr);
+                m[i] = m_new;
+                _mm512_store_ps(sc[t], pr);
+                if (corr != 1.f)
+                    for (int c = 0; c < C; ++c)
+                        _mm512_storeu_ps(acc + size_t(i) * D + 16 * c,
+                                         _mm512_mul_ps(_mm512_loadu_ps(acc + size_t(i) * D + 16 * c), _mm512_set1_ps(corr)));
+            }
+            __m512 a[4][C];
+            for (int t = 0; t < n; ++t)
+                for (int c = 0; c < C; ++c) a[t][c] = _mm512_loadu_ps(acc + size_t(i0 + t) * D + 16 * c);
+            for (int j = 0; j < 16; ++j) {
+                __m512 vv[C];
+                for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
+                for (int t = 0; t < 4; ++t) {
+                    if (t >= n) break;
+                    const __m512 w = _mm512_set1_ps(sc[t][j]);
+                    for (int c = 0; c < C; ++c) a[t][c] = _mm512_fmadd_ps(w, vv[c], a[t][c]);
+                }
+            }
+            for (int t = 0; t < n; ++t)
+                for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + size_t(i0 + t) * D + 16 * c, a[t][c]);
+        }
+    }
+    for (int i = 0; i < nq; ++i) {
+        const int r = i / G, g = i % G;
+        uint16_t* o = out + (size_t(tile * kTile + r) * H + h * G + g) * D;
+        for (int d = 0; d < D; ++d) from_f32(acc[size_t(i) * D + d] / l[i], o + d);
+    }
+}
+
+template <int D>
+void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* v,
+                      int64_t v_stride, uint16_t* out, int T, int S, int H, int Hkv, float scale, int num_threads) {
+    constexpr int P = D / 2;
+    const int G = H / Hkv, nkb = (S + kTile - 1) / kTile, ntiles = (T + kTile - 1) / kTile;
+    static thread_local PromptScratch<D> scratch;  // reused across layers and steps
+    scratch.kt.resize(size_t(Hkv) * nkb * P * 16);
+    scratch.vf.resize(size_t(Hkv) * nkb * 16 * D);
+    uint32_t* kt = scratch.kt.data();
+    float* vf = scratch.vf.data();
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int item = 0; item < Hkv * nkb; ++item) {  // lay K and V blocks out for the tiles
+            const int h = item / nkb, b = item % nkb;
+            uint32_t* kd = kt + size_t(item) * P * 16;
+            float* vd = vf + size_t(item) * 16 * D;
+            for (int j = 0; j < 16; ++j) {
+                const int pos = b * kTile + j;
+                const uint16_t* kr = k + pos * k_stride + h * D;
+                const uint16_t* vr = v + pos * v_stride + h * D;
+                for (int d = 0; d < P; ++d)
+                    kd[d * 16 + j] = pos < S ? uint32_t(kr[2 * d]) | uint32_t(kr[2 * d + 1]) << 16 : 0u;
+                for (int d = 0; d < D; ++d) vd[j * D + d] = pos < S ? to_f32(vr[d]) : 0.f;
+            }
+        }
+        std::vector<float> acc_buf;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < Hkv * ntiles; ++item) {  // the longest (last) tiles first
+            const int tile = ntiles - 1 - item / Hkv, h = item % Hkv;
+            prompt_tile<D>(q, q_stride, out, T, S, H, G, h, tile, scale, kt + size_t(h) * nkb * P * 16,
+                           vf + size_t(h) * nkb * 16 * D, acc_buf);
+        }
+    }
+}
+#endif
+
 template <typename T>
 int decode(const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
            int64_t table_stride, const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
@@ -311,6 +433,37 @@ int iterserve_decode_attention(int dtype, const void* q, const void* k_cache, co
                              num_kv_heads, head_dim, block_size, scale, num_threads);
     return decode<uint16_t>(q, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
                             num_kv_heads, head_dim, block_size, scale, num_threads);
+}
+
+
+// 1 when iterserve_prompt_attention runs for this dtype and head_dim in this build, else 0.
+int iterserve_prompt_attention_supported(int dtype, int head_dim) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return dtype == 1 && (head_dim == 64 || head_dim == 128);
+#else
+    (void)dtype, (void)head_dim;
+    return 0;
+#endif
+}
+
+// q [T, H, D] with rows q_stride elements apart, k/v [S, Hkv, D] rows k/v_stride apart, out [T, H, D]
+// contiguous; query i sits at position S - T + i and sees keys 0 .. S - T + i. Returns 0, or 1
+// where unsupported (see above).
+int iterserve_prompt_attention(int dtype, const void* q, int64_t q_stride, const void* k, int64_t k_stride,
+                               const void* v, int64_t v_stride, void* out, int T, int S, int num_heads, int num_kv_heads,
+                               int head_dim, float scale, int num_threads) {
+    if (!iterserve_prompt_attention_supported(dtype, head_dim) || num_heads % num_kv_heads || T > S || T < 1)
+        return 1;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const auto* qb = static_cast<const uint16_t*>(q);
+    const auto *kb = static_cast<const uint16_t*>(k), *vb = static_cast<const uint16_t*>(v);
+    auto* ob = static_cast<uint16_t*>(out);
+    if (head_dim == 64)
+        prompt_attention<64>(qb, q_stride, kb, k_stride, vb, v_stride, ob, T, S, num_heads, num_kv_heads, scale, num_threads);
+    else
+        prompt_attention<128>(qb, q_stride, kb, k_stride, vb, v_stride, ob, T, S, num_heads, num_kv_heads, scale, num_threads);
+#endif
+    return 0;
 }
 
 }

@@ -1,0 +1,53 @@
+"""The C++ causal prompt-attention kernel (bf16) against float32 SDPA with a bottom-right causal mask."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from iterserve.model import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.prompt_attention_supported(torch.bfloat16, 64),
+                                reason="needs a C++ compiler and AVX-512 BF16")
+
+
+def reference(q, k, v, scale):
+    t, s = q.shape[0], k.shape[0]
+    mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)  # query i sits at position s - t + i
+    out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None].float() for x in (q, k, v)), attn_mask=mask,
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("t,s", [(1, 1), (5, 5), (16, 16), (37, 37), (130, 130), (1, 40), (20, 100), (33, 48)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 64)])
+def test_causal_over_strided_qkv_rows(t, s, heads, kv_heads, head_dim):
+    """q/k/v are views into one fused qkv row, as the model hands them over; t < s is a chunk whose
+    earlier context is already in the cache."""
+    torch.manual_seed(t * 1000 + s)
+    qkv = torch.randn(s, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    q = qkv[s - t:, : heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(s, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(s, kv_heads, head_dim)
+    got = cpu_kernels.prompt_attention(q, k, v, head_dim ** -0.5, 2)
+    torch.testing.assert_close(got.float(), reference(q, k, v, head_dim ** -0.5), atol=1e-2, rtol=1e-2)
+    k2 = k.contiguous()  # rows of k and v a different distance apart (torch's rope returns a fresh q/k)
+    assert torch.equal(cpu_kernels.prompt_attention(q, k2, v, head_dim ** -0.5, 2), got)
+
+
+def test_large_scores_keep_the_softmax_finite():
+    """Running max and rescaling: scores of +-60 would overflow a plain exp."""
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(70, h, 64, dtype=torch.bfloat16) for h in (6, 2, 2))
+    q = q * 8
+    got = cpu_kernels.prompt_attention(q, k, v, 1.0, 2)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), reference(q, k, v, 1.0), atol=2e-2, rtol=2e-2)
+
+
+def test_what_it_does_not_run_is_said_so():
+    assert not cpu_kernels.prompt_attention_supported(torch.float32, 64)  # float32 prompts stay on SDPA
+    assert not cpu_kernels.prompt_attention_supported(torch.bfloat16, 8)
+    q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unsupported"):
+        cpu_kernels.prompt_attention(q, q[:2], q[:2], 1.0, 1)  # more queries than keys
