@@ -61,7 +61,7 @@ class AttentionPlan:
     decode_tables: torch.Tensor | None = None  # [Bd, nb] int32
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int32
     num_threads: int = 1
-    prompt_kernel: bool = False  # prompt rows through the C++ causal kernel where it supports dtype and head dim
+    kernels: bool = False  # C++ K/V write, and prompt rows through the causal kernel where it supports them
     # set by the first layer, which sees the cache's shape, and reused by the others:
     decode_kv_rows: torch.Tensor | None = None  # [Bd * Hkv * L] rows of layer_cache[0].view(-1, D), head-major
     decode_ctx: torch.Tensor | None = None  # [2, Bd, Hkv, L, D] the gather target
@@ -116,8 +116,11 @@ def _kv_rows(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.
     return (tok * num_kv_heads + torch.arange(num_kv_heads, device=blocks.device)[None, :, None]).view(-1)
 
 
-def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             use_kernel: bool = False) -> None:
     """layer_cache [2, num_blocks, block_size, Hkv, D]; k, v [T, Hkv, D]; in place."""
+    if use_kernel and cpu_kernels.elementwise_ops() is not None:  # a memcpy per row: index_copy_ took ~30 us
+        return cpu_kernels.write_kv(layer_cache[0], layer_cache[1], k, v, slot_mapping)
     _, nblk, bs, hkv, d = layer_cache.shape
     layer_cache[0].view(nblk * bs, hkv, d).index_copy_(0, slot_mapping, k)
     layer_cache[1].view(nblk * bs, hkv, d).index_copy_(0, slot_mapping, v)
@@ -126,7 +129,7 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_m
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
                     plan: AttentionPlan, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] (this step's, rope applied) -> out [T, H, D]."""
-    write_kv(layer_cache, k, v, plan.slot_mapping)
+    write_kv(layer_cache, k, v, plan.slot_mapping, plan.kernels)
     if plan.decode_all:
         return _decode(q, layer_cache, plan, scale)
     out = torch.empty_like(q)
@@ -170,7 +173,7 @@ def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torc
         # index_select copies whole blocks (memcpy); advanced indexing goes element by element (~8x slower)
         k = layer_cache[0].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
         v = layer_cache[1].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
-    if plan.prompt_kernel and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
+    if plan.kernels and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
         return cpu_kernels.prompt_attention(q, k, v, scale, plan.num_threads)  # causal, bottom-right aligned
     # 4-D [1, H, T, D]: torch's CPU flash kernel takes only 4-D inputs; 3-D falls back to the math
     # path (~2x slower at 512 tokens, measured). On CPU its float32 kernel is faster than its bf16

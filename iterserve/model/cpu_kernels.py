@@ -120,15 +120,19 @@ class Ops:
     rms_norm: object
     rope: object
     silu_mul: object
+    argmax_rows: object
+    write_kv: object
 
 
 @functools.cache
 def elementwise_ops() -> Ops | None:
-    """The fused RMSNorm / rotary / silu-and-mul functions (cpu_ops.cpp), or None when not built."""
+    """The fused RMSNorm / rotary / silu-and-mul, argmax and K/V write (cpu_ops.cpp), or None."""
     lib = _build(OPS_SOURCE, [*FLAGS, "-ffp-contract=off"])
     fns = (_bind(lib, "iterserve_rms_norm", [_i32, _p, _p, _p, _p, _i64, _i64, _f32]),
            _bind(lib, "iterserve_rope", [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p]),
-           _bind(lib, "iterserve_silu_mul", [_i32, _p, _p, _i64, _i64]))
+           _bind(lib, "iterserve_silu_mul", [_i32, _p, _p, _i64, _i64]),
+           _bind(lib, "iterserve_argmax_rows", [_i32, _p, _i64, _i64, _p]),
+           _bind(lib, "iterserve_write_kv", [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]))
     return Ops(*fns) if all(fns) else None
 
 
@@ -192,3 +196,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(t, n2 // 2)
     elementwise_ops().silu_mul(DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t, n2 // 2)
     return out
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """x [S, V] contiguous -> the first index of each row's maximum."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    elementwise_ops().argmax_rows(DTYPES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out.tolist()
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Caches [num_blocks, block_size, Hkv, D] contiguous; k/v [T, Hkv, D] with each row's heads
+    contiguous; slot_mapping [T] int64, negative = skip."""
+    t, hkv, d = k.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
+    assert all(x.stride(1) == d and x.stride(2) == 1 for x in (k, v)) and slot_mapping.is_contiguous()
+    size = k.element_size()
+    elementwise_ops().write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
+                               v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d * size)

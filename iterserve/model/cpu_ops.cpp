@@ -1,4 +1,5 @@
-// The elementwise ops of a Llama layer, fused, for the CPU path (see cpu_kernels.py).
+// The elementwise ops of a Llama layer, fused, for the CPU path (see cpu_kernels.py); also the
+// K/V cache write and the greedy argmax, which torch's index_copy_ / max do several times slower.
 //
 // In torch each is 3-8 ops over the whole batch (RMSNorm alone: widen, square, mean, rsqrt, scale,
 // narrow, weight), each a pass over memory plus ~5-20 us of dispatch: ~17 ms of a 100 ms decode step
@@ -121,9 +122,73 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
     }
 }
 
+// The first index of each row's maximum (a NaN counts as the maximum, as in torch): pass one keeps
+// 16 running maxima, which vectorizes; pass two finds the first element equal to the winner.
+template <typename T>
+void argmax_rows(const T* x, int64_t rows, int64_t cols, int64_t* out) {
+#pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* xr = x + r * cols;
+        float lanes[16];
+        int nan[16] = {};
+        for (int k = 0; k < 16; ++k) lanes[k] = -INFINITY;
+        int64_t c = 0;
+        for (; c + 16 <= cols; c += 16)
+            for (int k = 0; k < 16; ++k) {
+                const float v = to_f32(xr[c + k]);
+                lanes[k] = v > lanes[k] ? v : lanes[k];
+                nan[k] |= v != v;
+            }
+        float best = -INFINITY;
+        bool any_nan = false;
+        for (; c < cols; ++c) {
+            const float v = to_f32(xr[c]);
+            best = v > best ? v : best;
+            any_nan |= v != v;
+        }
+        for (int k = 0; k < 16; ++k) {
+            best = lanes[k] > best ? lanes[k] : best;
+            any_nan |= nan[k] != 0;
+        }
+        int64_t i = 0;
+        if (any_nan)
+            while (to_f32(xr[i]) == to_f32(xr[i])) ++i;
+        else
+            while (i + 1 < cols && to_f32(xr[i]) != best) ++i;  // all -inf: index 0
+        out[r] = i;
+    }
+}
+
+// Copy this step's K and V rows ([T, row] with rows k_stride / v_stride apart) into the paged
+// cache at slot_mapping; a negative slot (padding) is skipped.
+inline void write_kv(const char* k, int64_t k_stride, const char* v, int64_t v_stride, char* k_cache, char* v_cache,
+                     const int64_t* slot_mapping, int64_t rows, int64_t row_bytes) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = slot_mapping[r];
+        if (slot < 0) continue;
+        std::memcpy(k_cache + slot * row_bytes, k + r * k_stride, size_t(row_bytes));
+        std::memcpy(v_cache + slot * row_bytes, v + r * v_stride, size_t(row_bytes));
+    }
+}
+
 }  // namespace
 
 extern "C" {
+
+void iterserve_argmax_rows(int dtype, const void* x, int64_t rows, int64_t cols, int64_t* out) {
+    if (dtype == 0)
+        argmax_rows(static_cast<const float*>(x), rows, cols, out);
+    else
+        argmax_rows(static_cast<const uint16_t*>(x), rows, cols, out);
+}
+
+// Strides in bytes.
+void iterserve_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* k_cache,
+                        void* v_cache, const int64_t* slot_mapping, int64_t rows, int64_t row_bytes) {
+    write_kv(static_cast<const char*>(k), k_stride, static_cast<const char*>(v), v_stride, static_cast<char*>(k_cache),
+             static_cast<char*>(v_cache), slot_mapping, rows, row_bytes);
+}
+
 
 // dtype: 0 float32, 1 bfloat16. Every tensor contiguous except x in rope (rows row_stride apart).
 void iterserve_rms_norm(int dtype, const void* x, void* residual, const void* weight, void* out, int64_t rows,

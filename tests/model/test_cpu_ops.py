@@ -68,3 +68,31 @@ def test_silu_mul_matches_torch(dtype, rows):
     gate_up = torch.randn(rows, 2 * 1536, dtype=dtype) * 4
     gate, up = gate_up.chunk(2, dim=-1)
     assert_close_to_rounding(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_takes_the_first_maximum_like_torch(dtype):
+    torch.manual_seed(4)
+    x = torch.randn(6, 1000, dtype=dtype)
+    x[1, 10] = x[1, 900] = 50.0  # a tie: the first one wins
+    x[2] = float("-inf")  # nothing but -inf: index 0
+    x[3, 999] = 60.0  # in the tail past the last full 16
+    x[4, 5], x[4, 700] = 70.0, float("nan")  # a NaN counts as the maximum, as in torch
+    x[5, :3] = float("nan")
+    want = x.float().max(dim=-1).indices.tolist()
+    assert cpu_kernels.argmax_rows(x) == want == [want[0], 10, 0, 999, 700, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_copies_strided_rows_to_their_slots_and_skips_padding(dtype):
+    torch.manual_seed(5)
+    cache = torch.zeros(2, 8, 4, 2, 16, dtype=dtype)  # [K/V, blocks, block_size, Hkv, D]
+    qkv = torch.randn(5, 6 * 16, dtype=dtype)
+    k, v = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:].view(5, 2, 16)  # rows 96 elements apart, like the model's
+    slots = torch.tensor([3, 17, -1, 30, 4])
+    cpu_kernels.write_kv(cache[0], cache[1], k, v, slots)
+    want = torch.zeros_like(cache)
+    keep = slots >= 0
+    want[0].view(32, 2, 16)[slots[keep]] = k[keep]
+    want[1].view(32, 2, 16)[slots[keep]] = v[keep]
+    assert torch.equal(cache, want)
