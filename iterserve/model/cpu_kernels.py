@@ -125,9 +125,10 @@ class Ops:
 
 
 @functools.cache
-def elementwise_ops() -> Ops | None:
-    """The fused RMSNorm / rotary / silu-and-mul, argmax and K/V write (cpu_ops.cpp), or None."""
-    lib = _build(OPS_SOURCE, [*FLAGS, "-ffp-contract=off"])
+def elementwise_ops(extra_flags: tuple[str, ...] = ()) -> Ops | None:
+    """The fused RMSNorm / rotary / silu-and-mul, argmax and K/V write (cpu_ops.cpp), or None.
+    extra_flags (tests): -mno-avx512f builds the portable loops."""
+    lib = _build(OPS_SOURCE, [*FLAGS, "-ffp-contract=off", *extra_flags])
     fns = (_bind(lib, "iterserve_rms_norm", [_i32, _p, _p, _p, _p, _i64, _i64, _f32]),
            _bind(lib, "iterserve_rope", [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p]),
            _bind(lib, "iterserve_silu_mul", [_i32, _p, _p, _i64, _i64]),
@@ -198,10 +199,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def argmax_rows(x: torch.Tensor) -> list[int]:
+def argmax_rows(x: torch.Tensor, ops: Ops | None = None) -> list[int]:
     """x [S, V] contiguous -> the first index of each row's maximum."""
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    elementwise_ops().argmax_rows(DTYPES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    (ops or elementwise_ops()).argmax_rows(DTYPES[x.dtype], x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out.tolist()
 
 

@@ -11,6 +11,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float to_f32(float x) { return x; }
@@ -51,6 +55,13 @@ inline float exp_nonpositive(float x) {
     std::memcpy(&scale, &bits, 4);
     return p * scale;
 }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
 
 constexpr int64_t kParallelMin = 1 << 15;  // elements: below this, a thread team costs more than it saves
 
@@ -122,40 +133,57 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
     }
 }
 
-// The first index of each row's maximum (a NaN counts as the maximum, as in torch): pass one keeps
-// 16 running maxima, which vectorizes; pass two finds the first element equal to the winner.
+// The first index of each row's maximum (a NaN counts as the maximum, as in torch). 16 lanes each
+// keep their running maximum and where they first saw it, which vectorizes; the lowest index among
+// the lanes holding the winner is the first occurrence.
 template <typename T>
 void argmax_rows(const T* x, int64_t rows, int64_t cols, int64_t* out) {
 #pragma omp parallel for schedule(static) if (rows * cols >= kParallelMin)
     for (int64_t r = 0; r < rows; ++r) {
         const T* xr = x + r * cols;
         float lanes[16];
-        int nan[16] = {};
+        int32_t at[16] = {};  // int32, like the floats: one vector each (a row is under 2^31 long)
+        int32_t nan[16] = {};
         for (int k = 0; k < 16; ++k) lanes[k] = -INFINITY;
         int64_t c = 0;
+#if defined(__AVX512F__)  // gcc does not vectorize the loop below (measured: 1.2 ms for 64 x 49k bf16)
+        __m512 best16 = _mm512_set1_ps(-INFINITY);
+        __m512i at16 = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __mmask16 nan16 = 0;
+        for (; c + 16 <= cols; c += 16) {
+            const __m512 v = load16(xr + c);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, best16, _CMP_GT_OQ);
+            best16 = _mm512_mask_mov_ps(best16, gt, v);
+            at16 = _mm512_mask_mov_epi32(at16, gt, idx);
+            nan16 |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+        }
+        _mm512_storeu_ps(lanes, best16);
+        _mm512_storeu_si512(at, at16);
+        nan[0] = nan16 != 0;
+#endif
         for (; c + 16 <= cols; c += 16)
             for (int k = 0; k < 16; ++k) {
                 const float v = to_f32(xr[c + k]);
+                at[k] = v > lanes[k] ? int32_t(c) + k : at[k];
                 lanes[k] = v > lanes[k] ? v : lanes[k];
                 nan[k] |= v != v;
             }
         float best = -INFINITY;
+        int64_t best_at = 0;
         bool any_nan = false;
-        for (; c < cols; ++c) {
+        for (int k = 0; k < 16; ++k) {
+            any_nan |= nan[k] != 0;
+            if (lanes[k] > best || (lanes[k] == best && at[k] < best_at)) best = lanes[k], best_at = at[k];
+        }
+        for (; c < cols; ++c) {  // the tail comes after every lane's elements
             const float v = to_f32(xr[c]);
-            best = v > best ? v : best;
+            if (v > best) best = v, best_at = c;
             any_nan |= v != v;
         }
-        for (int k = 0; k < 16; ++k) {
-            best = lanes[k] > best ? lanes[k] : best;
-            any_nan |= nan[k] != 0;
-        }
-        int64_t i = 0;
         if (any_nan)
-            while (to_f32(xr[i]) == to_f32(xr[i])) ++i;
-        else
-            while (i + 1 < cols && to_f32(xr[i]) != best) ++i;  // all -inf: index 0
-        out[r] = i;
+            for (best_at = 0; to_f32(xr[best_at]) == to_f32(xr[best_at]);) ++best_at;
+        out[r] = best_at;
     }
 }
 

@@ -70,8 +70,9 @@ def test_silu_mul_matches_torch(dtype, rows):
     assert_close_to_rounding(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)])  # the AVX-512 loop, and the portable one
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_argmax_rows_takes_the_first_maximum_like_torch(dtype):
+def test_argmax_rows_takes_the_first_maximum_like_torch(dtype, flags):
     torch.manual_seed(4)
     x = torch.randn(6, 1000, dtype=dtype)
     x[1, 10] = x[1, 900] = 50.0  # a tie: the first one wins
@@ -80,7 +81,7 @@ def test_argmax_rows_takes_the_first_maximum_like_torch(dtype):
     x[4, 5], x[4, 700] = 70.0, float("nan")  # a NaN counts as the maximum, as in torch
     x[5, :3] = float("nan")
     want = x.float().max(dim=-1).indices.tolist()
-    assert cpu_kernels.argmax_rows(x) == want == [want[0], 10, 0, 999, 700, 0]
+    assert cpu_kernels.argmax_rows(x, cpu_kernels.elementwise_ops(flags)) == want == [want[0], 10, 0, 999, 700, 0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
