@@ -8,33 +8,11 @@
 // Plain C ABI, no torch headers, so it builds in about a second; OpenMP resolves to the libgomp
 // torch has already loaded, so it shares torch's thread pool instead of starting a second one.
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
 
 namespace {
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) {  // bfloat16 is the high half of a float32
-    uint32_t u = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline void from_f32(float x, float* out) { *out = x; }
-inline void from_f32(float x, uint16_t* out) {  // round to nearest even, as torch does
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { *out = uint16_t((u >> 16) | 0x40); return; }  // NaN stays NaN
-    u += 0x7fffu + ((u >> 16) & 1u);
-    *out = uint16_t(u >> 16);
-}
 
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;
@@ -96,22 +74,6 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
 #if defined(__AVX512F__)
 // The same computation with AVX-512 for head_dim a multiple of 16 (the common 64 and 128): each
 // K/V row is loaded and widened to float once and used by all G query heads; exp is vectorized.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m512 exp16(__m512 x) {  // 2^n * 2^f with |f| <= 1/2; degree-6 Taylor of 2^f, rel. error ~1e-7
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-    return _mm512_scalef_ps(p, n);
-}
 
 // a[0..15] -> one vector of their 16 horizontal sums, in order: a transpose-and-add tree, ~2 ops
 // per sum instead of the ~8 of a reduction each.

@@ -55,7 +55,7 @@ def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
     if cxx is None:
         logger.warning("no C++ compiler: the CPU path falls back to plain torch ops (slower)")
         return None
-    code = source.read_bytes()
+    code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # + includes
     key = hashlib.sha256(code + " ".join([cxx, *flags]).encode() + _cpu_flags()).hexdigest()[:16]
     lib_path = _cache_dir() / f"{source.stem}-{key}.so"
     if not lib_path.exists():

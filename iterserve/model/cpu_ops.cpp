@@ -7,34 +7,9 @@
 // op-by-op code rounds, so they match it up to the last float bit of a sum or an exp (which can flip
 // a bf16 rounding now and then). Built with -ffp-contract=off: a fused multiply-add would round
 // differently from torch's separate ops.
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
 
 namespace {
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(uint16_t x) {  // bfloat16 is the high half of a float32
-    uint32_t u = uint32_t(x) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-template <typename T> T from_f32(float x);
-template <> inline float from_f32<float>(float x) { return x; }
-template <> inline uint16_t from_f32<uint16_t>(float x) {  // round to nearest even, as torch does
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40 : rounded);  // NaN stays NaN; no branch
-}
-
-template <typename T> inline float round_trip(float x) { return to_f32(from_f32<T>(x)); }
 
 // e^x for x <= 0 (silu's e^-|x|), written so the compiler vectorizes the loop around it (a call to
 // expf would not be): 2^n * 2^f, |f| <= 1/2, degree-6 Taylor of 2^f; relative error ~1e-7.
@@ -56,13 +31,6 @@ inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-#endif
-
 constexpr int64_t kParallelMin = 1 << 15;  // elements: below this, a thread team costs more than it saves
 
 // out = weight * narrow(x / sqrt(mean(x^2) + eps)), per row, in float32 then rounded as torch does.
@@ -75,7 +43,7 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
         T* res = residual ? residual + r * cols : nullptr;
         T* o = out + r * cols;
         if (res)
-            for (int64_t c = 0; c < cols; ++c) res[c] = from_f32<T>(to_f32(xr[c]) + to_f32(res[c]));
+            for (int64_t c = 0; c < cols; ++c) from_f32(to_f32(xr[c]) + to_f32(res[c]), &res[c]);
         const T* src = res ? res : xr;
         float lanes[16] = {};  // 16 running sums in a fixed order: vectorizes, and is deterministic
         int64_t c = 0;
@@ -85,8 +53,12 @@ void rms_norm(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
         float sum = 0.f;
         for (int k = 0; k < 16; ++k) sum += lanes[k];
         const float inv = 1.f / std::sqrt(sum / float(cols) + eps);
-        for (int64_t c = 0; c < cols; ++c)
-            o[c] = from_f32<T>(to_f32(weight[c]) * round_trip<T>(to_f32(src[c]) * inv));
+        c = 0;
+#if defined(__AVX512F__)
+        for (; c + 16 <= cols; c += 16)
+            store16(o + c, _mm512_mul_ps(load16(weight + c), round_trip16<T>(_mm512_mul_ps(load16(src + c), _mm512_set1_ps(inv)))));
+#endif
+        for (; c < cols; ++c) from_f32(to_f32(weight[c]) * round_trip<T>(to_f32(src[c]) * inv), o + c);
     }
 }
 
@@ -109,8 +81,8 @@ void rope(T* x, int64_t rows, int64_t row_stride, int heads, int head_dim, const
                 hi[i] = round_trip<T>(round_trip<T>(b * to_f32(c[i + half])) + round_trip<T>(a * to_f32(s[i + half])));
             }
             for (int i = 0; i < half; ++i) {
-                v[i] = from_f32<T>(lo[i]);
-                v[i + half] = from_f32<T>(hi[i]);
+                from_f32(lo[i], v + i);
+                from_f32(hi[i], v + i + half);
             }
         }
     }
@@ -124,11 +96,21 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
         const T* g = gate_up + r * 2 * n;
         const T* u = g + n;
         T* o = out + r * n;
-        for (int64_t i = 0; i < n; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) {
+            const __m512 a = load16(g + i);
+            const __mmask16 neg = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a)));
+            const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(_mm512_set1_ps(1.f), neg, e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+            store16(o + i, _mm512_mul_ps(round_trip16<T>(_mm512_mul_ps(a, sig)), load16(u + i)));
+        }
+#endif
+        for (; i < n; ++i) {
             const float a = to_f32(g[i]);
             const float e = exp_nonpositive(a < 0.f ? a : -a);  // e^-|a|: no overflow either way
             const float sig = (a < 0.f ? e : 1.f) / (1.f + e);
-            o[i] = from_f32<T>(round_trip<T>(a * sig) * to_f32(u[i]));
+            from_f32(round_trip<T>(a * sig) * to_f32(u[i]), o + i);
         }
     }
 }
