@@ -221,18 +221,19 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
 // 0 .. S-1, flash-style (online softmax over 16-key blocks, nothing T x S materialized). torch's
 // CPU flash kernel computes every key block even where the causal mask zeroes it; this one stops at
 // each query tile's last key. Q.K runs on bf16 pair dot products over K blocks laid out
-// pair-interleaved (kt); softmax and P.V in float32.
+// pair-interleaved (kt), softmax in float32, P.V on bf16 pair dot products too: probabilities
+// rounded to bf16 (as GPU flash attention does), float32 sums.
 constexpr int kTile = 16;  // queries per work item, keys per block
 
 template <int D>
 struct PromptScratch {
     std::vector<uint32_t> kt;  // [Hkv][blocks][D/2][16]: key j's bf16 pair (2d, 2d+1) at [d][j]
-    std::vector<float> vf;     // [Hkv][blocks][16][D]: V widened to float, zero past S
+    std::vector<uint32_t> vp;  // [Hkv][blocks][8][D]: keys 2j and 2j+1's bf16 values of dim d at [j][d]
 };
 
 template <int D>
 void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int S, int H, int G, int h, int tile,
-                 float scale, const uint32_t* kt, const float* vf, std::vector<float>& acc_buf) {
+                 float scale, const uint32_t* kt, const uint32_t* vp, std::vector<float>& acc_buf) {
     constexpr int C = D / 16, P = D / 2;
     const int rows = T - tile * kTile < kTile ? T - tile * kTile : kTile, nq = rows * G;
     acc_buf.assign(size_t(nq) * (D + 2), 0.f);
@@ -242,10 +243,10 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
     for (int i = 0; i < nq; ++i) m[i] = -INFINITY;
     const int first_pos = S - T + tile * kTile;  // absolute position of the tile's first query
     const int num_blocks = (first_pos + rows - 1) / kTile + 1;
-    alignas(64) float sc[4][16];
+    alignas(64) uint32_t pairs[4][8];  // this block's probabilities in bf16, two keys per word
     for (int b = 0; b < num_blocks; ++b) {
         const uint32_t* kb = kt + size_t(b) * P * 16;
-        const float* vb = vf + size_t(b) * 16 * D;
+        const uint32_t* vb = vp + size_t(b) * 8 * D;
         for (int i0 = 0; i0 < nq; i0 += 4) {  // 4 query vectors share each K load
             const int n = nq - i0 < 4 ? nq - i0 : 4;
             const uint32_t* qp[4];
@@ -262,7 +263,7 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
             for (int t = 0; t < n; ++t) {
                 const int i = i0 + t, pos = first_pos + i / G;
                 const int valid = pos - b * kTile + 1;  // keys of this block at or before pos
-                if (valid <= 0) { for (int j = 0; j < 16; ++j) sc[t][j] = 0.f; continue; }
+                if (valid <= 0) { for (int j = 0; j < 8; ++j) pairs[t][j] = 0; continue; }
                 const __mmask16 live = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1u);
                 const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(s4[t], _mm512_set1_ps(scale)));
                 const float m_new = std::max(m[i], _mm512_reduce_max_ps(x));
@@ -270,7 +271,7 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
                 const __m512 pr = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
                 l[i] = l[i] * corr + _mm512_reduce_add_ps(pr);
                 m[i] = m_new;
-                _mm512_store_ps(sc[t], pr);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[t]), (__m256i)_mm512_cvtneps_pbh(pr));
                 if (corr != 1.f)
                     for (int c = 0; c < C; ++c)
                         _mm512_storeu_ps(acc + size_t(i) * D + 16 * c,
@@ -279,13 +280,13 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
             __m512 a[4][C];
             for (int t = 0; t < n; ++t)
                 for (int c = 0; c < C; ++c) a[t][c] = _mm512_loadu_ps(acc + size_t(i0 + t) * D + 16 * c);
-            for (int j = 0; j < 16; ++j) {
-                __m512 vv[C];
-                for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vb + j * D + 16 * c);
+            for (int j = 0; j < 8; ++j) {
+                __m512bh vv[C];
+                for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vb + j * D + 16 * c);
                 for (int t = 0; t < 4; ++t) {
                     if (t >= n) break;
-                    const __m512 w = _mm512_set1_ps(sc[t][j]);
-                    for (int c = 0; c < C; ++c) a[t][c] = _mm512_fmadd_ps(w, vv[c], a[t][c]);
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pairs[t][j]));
+                    for (int c = 0; c < C; ++c) a[t][c] = _mm512_dpbf16_ps(a[t][c], w, vv[c]);
                 }
             }
             for (int t = 0; t < n; ++t)
@@ -306,23 +307,28 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
     const int G = H / Hkv, nkb = (S + kTile - 1) / kTile, ntiles = (T + kTile - 1) / kTile;
     static thread_local PromptScratch<D> scratch;  // reused across layers and steps
     scratch.kt.resize(size_t(Hkv) * nkb * P * 16);
-    scratch.vf.resize(size_t(Hkv) * nkb * 16 * D);
+    scratch.vp.resize(size_t(Hkv) * nkb * 8 * D);
     uint32_t* kt = scratch.kt.data();
-    float* vf = scratch.vf.data();
+    uint32_t* vp = scratch.vp.data();
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int item = 0; item < Hkv * nkb; ++item) {  // lay K and V blocks out for the tiles
             const int h = item / nkb, b = item % nkb;
             uint32_t* kd = kt + size_t(item) * P * 16;
-            float* vd = vf + size_t(item) * 16 * D;
+            uint32_t* vd = vp + size_t(item) * 8 * D;
             for (int j = 0; j < 16; ++j) {
                 const int pos = b * kTile + j;
                 const uint16_t* kr = k + pos * k_stride + h * D;
-                const uint16_t* vr = v + pos * v_stride + h * D;
                 for (int d = 0; d < P; ++d)
                     kd[d * 16 + j] = pos < S ? uint32_t(kr[2 * d]) | uint32_t(kr[2 * d + 1]) << 16 : 0u;
-                for (int d = 0; d < D; ++d) vd[j * D + d] = pos < S ? to_f32(vr[d]) : 0.f;
+            }
+            for (int j = 0; j < 8; ++j) {
+                const int p0 = b * kTile + 2 * j;
+                const uint16_t* v0 = v + p0 * v_stride + h * D;
+                const uint16_t* v1 = v0 + v_stride;
+                for (int d = 0; d < D; ++d)
+                    vd[j * D + d] = (p0 < S ? uint32_t(v0[d]) : 0u) | (p0 + 1 < S ? uint32_t(v1[d]) << 16 : 0u);
             }
         }
         std::vector<float> acc_buf;
@@ -330,7 +336,7 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
         for (int item = 0; item < Hkv * ntiles; ++item) {  // the longest (last) tiles first
             const int tile = ntiles - 1 - item / Hkv, h = item % Hkv;
             prompt_tile<D>(q, q_stride, out, T, S, H, G, h, tile, scale, kt + size_t(h) * nkb * P * 16,
-                           vf + size_t(h) * nkb * 16 * D, acc_buf);
+                           vp + size_t(h) * nkb * 8 * D, acc_buf);
         }
     }
 }
