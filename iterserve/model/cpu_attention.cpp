@@ -1,9 +1,10 @@
-// Decode attention straight from the paged KV cache, for the CPU path (see cpu_kernels.py).
+// Attention kernels for the CPU path (see cpu_kernels.py): decode straight from the paged KV cache,
+// and causal prompt attention (further down).
 //
-// One query token per sequence attends to its whole context, read through its block table in
-// place: no gather into a padded buffer (which moved every K/V byte three times), one pass over K
-// and one over V, in float32 with the softmax taken over the whole row. Work items are
-// (sequence, kv head) pairs: the G query heads that share a kv head read each K/V row once.
+// Decode: one query token per sequence attends to its whole context, read through its block table
+// in place: no gather into a padded buffer (which moved every K/V byte three times), one pass over
+// K and one over V, in float32 with the softmax taken over the whole row. The portable loops take
+// (sequence, kv head) pairs as work items; the AVX-512 path whole sequences (attend_seq_avx512).
 //
 // Plain C ABI, no torch headers, so it builds in about a second; OpenMP resolves to the libgomp
 // torch has already loaded, so it shares torch's thread pool instead of starting a second one.
