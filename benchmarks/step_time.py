@@ -5,7 +5,8 @@
 
 For each batch size B, every sequence has `context` tokens already in the KV cache and decodes one
 token. Prints per-step medians (ms) for: iterserve, transformers (DynamicCache prefilled to the same
-length), a bare pass through all linear layers + LM head, and the roofline (weight bytes / measured
+length), a bare pass through all linear layers + LM head with the model's weights (oneDNN-packed
+or quantized), the same pass through F.linear on plain weights, and the roofline (weight bytes / measured
 copy bandwidth, FLOPs / measured matmul peak). The machine is shared: treat +-20% as noise.
 """
 from __future__ import annotations
@@ -64,13 +65,16 @@ def bare_linear(weights: list[Weight], x: torch.Tensor, lm_x: torch.Tensor) -> N
     linear(lm_x, weights[-1])
 
 
-def ours_and_bare(runner: ModelRunner, weights: list[Weight], batch: int, context: int, blocks_per_seq: int,
-                  repeats: int) -> tuple[float, float]:
-    """Median seconds of one decode step at this batch, and of the bare linear pass at its shapes."""
+def ours_and_bare(runner: ModelRunner, weights: list[Weight], plain: list[torch.Tensor], batch: int,
+                  context: int, blocks_per_seq: int, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of one decode step at this batch, of the bare linear pass at its shapes with the
+    model's own weights, and with plain [N, K] tensors through F.linear."""
     plan = decode_plan(batch, context, blocks_per_seq)
     ours = timed(lambda: runner.execute(plan), repeats)
     x = torch.randn(batch, max(w.shape[1] for w in weights), dtype=runner.dtype)
-    return ours, timed(lambda: bare_linear(weights, x, x[:, : weights[-1].shape[1]]), repeats)
+    lm_x = x[:, : weights[-1].shape[1]]
+    return (ours, timed(lambda: bare_linear(weights, x, lm_x), repeats),
+            timed(lambda: bare_linear(plain, x, lm_x), repeats))
 
 
 def hf_model(path: str, dtype: torch.dtype):
@@ -120,15 +124,17 @@ def main() -> None:
           f"copy bandwidth {bw / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.0f} GFLOP/s")
     hf = None if args.no_hf else hf_model(runner.config.model or __import__(
         "iterserve.model.loader", fromlist=["x"]).default_model_path(), dtype)
+    # plain weights of the same shapes through F.linear: what the bare pass costs without oneDNN packing
+    plain = [torch.randn(*w.shape, dtype=dtype) * 0.02 for w in weights] if args.quantization is None else weights
     print(f"{'B':>4} {'iterserve':>10} {'transformers':>13} {'ratio':>6} {'bare linear':>12} {'x bare':>7} "
-          f"{'roof mem':>9} {'roof flop':>10}   (ms per decode step, context {args.context})")
+          f"{'F.linear':>9} {'roof mem':>9} {'roof flop':>10}   (ms per decode step, context {args.context})")
     with torch.inference_mode():
         for b in batches:
-            ours, bare = ours_and_bare(runner, weights, b, args.context, bps, args.repeats)
+            ours, bare, unpacked = ours_and_bare(runner, weights, plain, b, args.context, bps, args.repeats)
             theirs = timed(hf_step_fn(hf, b, args.context, dtype), args.repeats) if hf is not None else float("nan")
             flops = 2 * b * sum(w.shape[0] * w.shape[1] for w in weights)
             print(f"{b:>4} {ours * 1e3:>10.1f} {theirs * 1e3:>13.1f} {ours / theirs:>6.2f} {bare * 1e3:>12.1f} "
-                  f"{ours / bare:>7.2f} {wbytes / bw * 1e3:>9.1f} {flops / peak * 1e3:>10.1f}", flush=True)
+                  f"{ours / bare:>7.2f} {unpacked * 1e3:>9.1f} {wbytes / bw * 1e3:>9.1f} {flops / peak * 1e3:>10.1f}", flush=True)
 
 
 if __name__ == "__main__":

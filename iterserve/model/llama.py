@@ -16,13 +16,13 @@ from iterserve.model import cpu_kernels
 from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.loader import ModelConfig
-from iterserve.model.quant import Weight, check_supported, linear, quantize
+from iterserve.model.quant import Weight, check_supported, linear, pack_float, quantize
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Weight  # [(H + 2 Hkv) * D, hidden]; float, or int8/int4 packed (quant.py)
+    qkv: Weight  # [(H + 2 Hkv) * D, hidden]; float (oneDNN-packed on CPU) or int8/int4 (quant.py)
     qkv_bias: torch.Tensor | None
     o: Weight
     post_norm: torch.Tensor
@@ -66,12 +66,16 @@ class LlamaModel:
         self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
         self.norm = w["model.norm.weight"]
         self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
-        if quantization is not None:  # the embedding stays float for lookups; the LM head is packed apart
+        # the embedding stays a plain tensor for lookups; the LM head (tied or not) is packed apart
+        if quantization is not None:
             check_supported(quantization, self.device)
             self.lm_head = quantize(self.lm_head, "int8")  # int8 in both modes, as the GGUF keeps it Q8_0
-            for layer in self.layers:
-                for name in ("qkv", "o", "gate_up", "down"):
-                    setattr(layer, name, quantize(getattr(layer, name), quantization))
+        else:
+            self.lm_head = pack_float(self.lm_head)
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                weight = getattr(layer, name)
+                setattr(layer, name, quantize(weight, quantization) if quantization else pack_float(weight))
         self.scale = cfg.head_dim ** -0.5
         self.attention = attention_backend(self.device, block_size, self.dtype)  # torch or triton
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -85,8 +89,8 @@ class LlamaModel:
             cpu_kernels.elementwise_ops() is not None
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
-        # weights stay [out, in] for F.linear: a pre-transposed [in, out] copy used as x @ W was no
-        # faster on CPU bf16 (measured at 1, 64 and 512 rows, 1 thread; within noise)
+        # weights stay [out, in]: a pre-transposed [in, out] copy used as x @ W was no faster on CPU
+        # bf16 (measured at 1, 64 and 512 rows, 1 thread); what pays is oneDNN's own layout (pack_float)
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         bias = None

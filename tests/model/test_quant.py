@@ -1,4 +1,5 @@
-"""Weight-only int8/int4: the packed kernels against float, and the quantized engine against float32."""
+"""Weight-only int8/int4: the packed kernels against float, and the quantized engine against float32;
+float weights in oneDNN's layout against F.linear."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model.quant import INT4_GROUP, linear, quantize, quantize_int4
+from iterserve.model.quant import INT4_GROUP, PackedFloatWeight, linear, pack_float, quantize, quantize_int4
 from iterserve.sampling_params import SamplingParams
 
 
@@ -28,6 +29,37 @@ def test_packed_linear_matches_float(mode, tol):
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
     torch.testing.assert_close(linear(x, q, bias).float(), (x.float() @ dequantized(q).t() + bias.float()),
                                atol=0.1, rtol=0.02)
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_packed_float_linear_matches_f_linear(dtype, rows):
+    torch.manual_seed(rows)
+    w = torch.randn(200, 96, dtype=dtype)
+    bias = torch.randn(200, dtype=dtype)
+    packed = pack_float(w)
+    assert isinstance(packed, PackedFloatWeight) and packed.shape == w.shape
+    x = torch.randn(rows, 3, 96, dtype=dtype)[:, 1]  # a strided view, as a slice of a larger activation
+    for b in (None, bias):
+        ours, ref = linear(x, packed, b), torch.nn.functional.linear(x, w, b)
+        assert ours.shape == ref.shape == (rows, 200)
+        if dtype == torch.bfloat16:  # the same oneDNN kernel F.linear runs, minus the per-call re-layout
+            torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+        else:  # oneDNN's sgemm against MKL's: the order of the K sum differs
+            torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
+
+
+@needs_onednn
+def test_cpu_model_packs_its_float_weights():
+    runner = ModelRunner(EngineConfig(num_kv_blocks=8, dtype="bfloat16"))
+    layer = runner.model.layers[0]
+    assert all(isinstance(w, PackedFloatWeight) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert isinstance(runner.model.lm_head, PackedFloatWeight)
+    assert isinstance(runner.model.embed, torch.Tensor)  # lookups read the plain tied embedding
 
 
 def test_int4_recovers_a_q4_1_grid():
