@@ -7,8 +7,8 @@ Measures the machine first: copy bandwidth (a 256 MB copy, bytes read + written)
 (a 2048^3 matmul in the compute dtype). Then, per decode batch size B (every sequence `context`
 tokens deep), the roofline of one step is max(bytes / bandwidth, FLOPs / peak) with
 bytes = linear weights + LM head + the K/V each sequence reads, FLOPs = 2 x weights x B + attention;
-per prompt length N (one fresh prompt, one step), FLOPs = 2 x weights x N + causal attention and
-the weights are read once. "reached" is roofline time / measured time. The "bare linear" column
+per prompt length N (one fresh prompt, one step), FLOPs = 2 x layer weights x N + 2 x LM head (only
+the last row is sampled) + causal attention, and the weights are read once. "reached" is roofline time / measured time. The "bare linear" column
 is one pass through the same linear layers at the same shapes and nothing else: the floor this
 engine's own step can reach with torch's matmuls (the acceptance bar is step <= 1.43 x bare at B=64).
 The machine may be shared: compare columns of one run, and run with --threads 1 when it is loaded.
@@ -54,6 +54,7 @@ def main() -> None:
     weights = linear_weights(runner)
     wbytes = sum(w.nbytes for w in weights)
     params = sum(w.shape[0] * w.shape[1] for w in weights)
+    head_params = weights[-1].shape[0] * weights[-1].shape[1]  # linear_weights ends with the LM head
     kv_per_token = runner.bytes_per_block // runner.block_size  # all layers, K and V
     attn_flops_per_pair = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T and PV, per (query, key)
     bw, peak = bandwidth(), matmul_peak(dtype)
@@ -75,7 +76,8 @@ def main() -> None:
         print(f"{'tokens':>6} {'ms':>8} {'tokens/s':>9} {'roof tok/s':>11} {'reached':>8}")
         for n in prompts:
             ours = timed(lambda: runner.execute(prefill_plan(n, runner.block_size)), args.repeats)
-            roof = max(wbytes / bw, (2 * n * params + n * (n + 1) / 2 * attn_flops_per_pair) / peak)
+            flop = 2 * n * (params - head_params) + 2 * head_params + n * (n + 1) / 2 * attn_flops_per_pair
+            roof = max(wbytes / bw, flop / peak)
             print(f"{n:>6} {ours * 1e3:>8.1f} {n / ours:>9.0f} {n / roof:>11.0f} {roof / ours:>8.0%}", flush=True)
 
 

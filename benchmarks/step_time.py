@@ -65,16 +65,17 @@ def bare_linear(weights: list[Weight], x: torch.Tensor, lm_x: torch.Tensor) -> N
     linear(lm_x, weights[-1])
 
 
-def ours_and_bare(runner: ModelRunner, weights: list[Weight], plain: list[torch.Tensor], batch: int,
-                  context: int, blocks_per_seq: int, repeats: int) -> tuple[float, float, float]:
-    """Median seconds of one decode step at this batch, of the bare linear pass at its shapes with the
-    model's own weights, and with plain [N, K] tensors through F.linear."""
-    plan = decode_plan(batch, context, blocks_per_seq)
-    ours = timed(lambda: runner.execute(plan), repeats)
-    x = torch.randn(batch, max(w.shape[1] for w in weights), dtype=runner.dtype)
-    lm_x = x[:, : weights[-1].shape[1]]
-    return (ours, timed(lambda: bare_linear(weights, x, lm_x), repeats),
-            timed(lambda: bare_linear(plain, x, lm_x), repeats))
+def bare_time(weights: list[Weight], batch: int, dtype: torch.dtype, repeats: int) -> float:
+    """Median seconds of the bare linear pass at a decode step's shapes."""
+    x = torch.randn(batch, max(w.shape[1] for w in weights), dtype=dtype)
+    return timed(lambda: bare_linear(weights, x, x[:, : weights[-1].shape[1]]), repeats)
+
+
+def ours_and_bare(runner: ModelRunner, weights: list[Weight], batch: int, context: int, blocks_per_seq: int,
+                  repeats: int) -> tuple[float, float]:
+    """Median seconds of one decode step at this batch, and of the bare linear pass at its shapes."""
+    ours = timed(lambda: runner.execute(decode_plan(batch, context, blocks_per_seq)), repeats)
+    return ours, bare_time(weights, batch, runner.dtype, repeats)
 
 
 def hf_model(path: str, dtype: torch.dtype):
@@ -130,7 +131,8 @@ def main() -> None:
           f"{'F.linear':>9} {'roof mem':>9} {'roof flop':>10}   (ms per decode step, context {args.context})")
     with torch.inference_mode():
         for b in batches:
-            ours, bare, unpacked = ours_and_bare(runner, weights, plain, b, args.context, bps, args.repeats)
+            ours, bare = ours_and_bare(runner, weights, b, args.context, bps, args.repeats)
+            unpacked = bare_time(plain, b, dtype, args.repeats)
             theirs = timed(hf_step_fn(hf, b, args.context, dtype), args.repeats) if hf is not None else float("nan")
             flops = 2 * b * sum(w.shape[0] * w.shape[1] for w in weights)
             print(f"{b:>4} {ours * 1e3:>10.1f} {theirs * 1e3:>13.1f} {ours / theirs:>6.2f} {bare * 1e3:>12.1f} "
