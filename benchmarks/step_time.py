@@ -125,8 +125,9 @@ def main() -> None:
           f"copy bandwidth {bw / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.0f} GFLOP/s")
     hf = None if args.no_hf else hf_model(runner.config.model or __import__(
         "iterserve.model.loader", fromlist=["x"]).default_model_path(), dtype)
-    # plain weights of the same shapes through F.linear: what the bare pass costs without oneDNN packing
-    plain = [torch.randn(*w.shape, dtype=dtype) * 0.02 for w in weights] if args.quantization is None else weights
+    # plain float weights of the same shapes through F.linear: the bare pass without oneDNN's packing
+    # (or quantization); the matmul's cost does not depend on the values
+    plain = [torch.randn(*w.shape, dtype=dtype) * 0.02 for w in weights]
     print(f"{'B':>4} {'iterserve':>10} {'transformers':>13} {'ratio':>6} {'bare linear':>12} {'x bare':>7} "
           f"{'F.linear':>9} {'roof mem':>9} {'roof flop':>10}   (ms per decode step, context {args.context})")
     with torch.inference_mode():
