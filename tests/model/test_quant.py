@@ -53,6 +53,20 @@ def test_packed_float_linear_matches_f_linear(dtype, rows):
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-5)
 
 
+def test_pack_float_declines_what_onednn_cannot_take():
+    """float16 needs AVX-512 fp16 on CPU and CUDA weights are never packed: the weight comes back
+    as it was (where oneDNN does take float16, the packed linear must still be F.linear's)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 32, dtype=torch.float16), torch.randn(3, 32, dtype=torch.float16)
+    packed = pack_float(w)
+    assert packed is w or isinstance(packed, PackedFloatWeight)
+    torch.testing.assert_close(linear(x, packed).float(), torch.nn.functional.linear(x, w).float(),
+                               atol=1e-2, rtol=1e-3)
+    if torch.cuda.is_available():
+        wc = w.cuda()
+        assert pack_float(wc) is wc
+
+
 @needs_onednn
 def test_cpu_model_packs_its_float_weights():
     runner = ModelRunner(EngineConfig(num_kv_blocks=8, dtype="bfloat16"))
