@@ -4,7 +4,8 @@
 // Decode: one query token per sequence attends to its whole context, read through its block table
 // in place: no gather into a padded buffer (which moved every K/V byte three times), one pass over
 // K and one over V, in float32 with the softmax taken over the whole row. The portable loops take
-// (sequence, kv head) pairs as work items; the AVX-512 path whole sequences (attend_seq_avx512).
+// (sequence, kv head) pairs as work items; the AVX-512 path whole sequences (attend_seq_avx512), or,
+// when there are fewer sequences than threads, slices of long contexts merged after (decode_avx512).
 //
 // Plain C ABI, no torch headers, so it builds in about a second; OpenMP resolves to the libgomp
 // torch has already loaded, so it shares torch's thread pool instead of starting a second one.
@@ -18,6 +19,8 @@ namespace {
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;
 constexpr int kMaxHeads = 64;  // query heads, for the AVX-512 path's register tiles
+constexpr int kMinSlice = 512;  // positions: a shorter slice of a split context saves less than its merge
+constexpr int kMaxSlices = 64;
 
 template <typename T>
 void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
@@ -127,10 +130,13 @@ inline void prefetch_l2(const void* p, size_t bytes) {
 }
 
 // One sequence, all heads. The K pass reads each cache slot (all kv heads of one position) whole and
-// in order and scores 16 positions per vector; the P.V pass goes kv head by kv head.
+// in order and scores 16 positions per vector; the P.V pass goes kv head by kv head. With `part`
+// (a slice of a split context, see decode) the result goes there in float32 instead of to out,
+// [H][D] normalized within the slice, then each head's score max and exp-sum: [H][2].
 template <int D, typename T>
 void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
-                       T* out, int num_kv_heads, int G, int block_size, float scale, std::vector<float>& scores) {
+                       T* out, int num_kv_heads, int G, int block_size, float scale, std::vector<float>& scores,
+                       float* part = nullptr) {
     constexpr int C = D / 16;
     const int H = num_kv_heads * G;
     const size_t row = size_t(num_kv_heads) * D;  // elements per cache slot
@@ -170,7 +176,8 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
         for (int p = 0; p < seq_len; p += 16)
             m = _mm512_max_ps(m, seq_len - p >= 16 ? _mm512_loadu_ps(sg + p)
                                                    : _mm512_mask_loadu_ps(m, tail, sg + p));
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+        const float max_score = _mm512_reduce_max_ps(m);
+        const __m512 mx = _mm512_set1_ps(max_score);
         __m512 sum = _mm512_setzero_ps();
         for (int p = 0; p < seq_len; p += 16) {
             const __mmask16 k = seq_len - p >= 16 ? __mmask16(0xffff) : tail;
@@ -178,7 +185,12 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
             _mm512_mask_storeu_ps(sg + p, k, e);
             sum = _mm512_mask_add_ps(sum, k, sum, e);
         }
-        inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+        const float total = _mm512_reduce_add_ps(sum);
+        inv[g] = 1.f / total;
+        if (part) {
+            part[size_t(H) * D + 2 * g] = max_score;
+            part[size_t(H) * D + 2 * g + 1] = total;
+        }
     }
     // P.V for a tile of query heads of one kv head at a time, so the tile's accumulators stay in
     // registers (all of SmolLM's 9 x 4 would not fit in 32). A kv head's slice of a row is its own
@@ -209,10 +221,37 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
             }
             for (int t = 0; t < n; ++t)
                 for (int c = 0; c < C; ++c) {
-                    _mm512_store_ps(tmp, _mm512_mul_ps(acc[t][c], _mm512_set1_ps(inv[g0 + t])));
+                    const __m512 o = _mm512_mul_ps(acc[t][c], _mm512_set1_ps(inv[g0 + t]));
+                    if (part) {
+                        _mm512_storeu_ps(part + (g0 + t) * D + 16 * c, o);
+                        continue;
+                    }
+                    _mm512_store_ps(tmp, o);
                     for (int d = 0; d < 16; ++d) from_f32(tmp[d], out + (g0 + t) * D + 16 * c + d);
                 }
         }
+}
+
+// A split context's slices merged, per head: each slice's output weighted by its exp-sum rescaled
+// to the common max (the flash-decoding reduction).
+template <int D, typename T>
+void merge_slices(const float* parts, int num_parts, int H, T* out) {
+    const size_t stride = size_t(H) * (D + 2);
+    for (int g = 0; g < H; ++g) {
+        float top = -INFINITY;
+        for (int i = 0; i < num_parts; ++i) top = std::max(top, parts[i * stride + size_t(H) * D + 2 * g]);
+        float w[kMaxSlices], total = 0.f;
+        for (int i = 0; i < num_parts; ++i) {
+            const float* ml = parts + i * stride + size_t(H) * D + 2 * g;
+            w[i] = ml[1] * std::exp(ml[0] - top);
+            total += w[i];
+        }
+        for (int d = 0; d < D; ++d) {
+            float acc = 0.f;
+            for (int i = 0; i < num_parts; ++i) acc += w[i] * parts[i * stride + g * D + d];
+            from_f32(acc / total, out + g * D + d);
+        }
+    }
 }
 #endif
 
@@ -343,6 +382,54 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
 }
 #endif
 
+#if defined(__AVX512F__)
+// Work items are whole sequences, except when there are too few of them to keep every thread busy
+// (a single long chat): then long contexts are cut into slices of whole blocks, at least kMinSlice
+// positions each, attended apart and merged.
+template <int D, typename T>
+void decode_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, int64_t table_stride,
+                   const int32_t* seq_lens, T* out, int num_seqs, int H, int num_kv_heads, int block_size,
+                   float scale, int num_threads) {
+    struct Item { int seq, begin, len, part; };  // part: index of its slice buffer, -1 when whole
+    struct Split { int seq, first_part, num_parts; };
+    std::vector<Item> items;
+    std::vector<Split> splits;
+    const int G = H / num_kv_heads;
+    const int slice_blocks = (kMinSlice + block_size - 1) / block_size;
+    int num_parts = 0;
+    for (int b = 0; b < num_seqs; ++b) {
+        int slices = num_seqs < num_threads ? (seq_lens[b] + slice_blocks * block_size - 1) / (slice_blocks * block_size) : 1;
+        slices = std::min(slices, std::min(num_threads, kMaxSlices));
+        if (slices <= 1) {
+            items.push_back({b, 0, seq_lens[b], -1});
+            continue;
+        }
+        const int blocks = (seq_lens[b] + block_size - 1) / block_size, per = (blocks + slices - 1) / slices;
+        splits.push_back({b, num_parts, 0});
+        for (int begin = 0; begin < seq_lens[b]; begin += per * block_size)
+            items.push_back({b, begin, std::min(per * block_size, seq_lens[b] - begin), num_parts++});
+        splits.back().num_parts = num_parts - splits.back().first_part;
+    }
+    const size_t part_size = size_t(H) * (D + 2);
+    std::vector<float> parts(part_size * num_parts);
+    const size_t seq_stride = size_t(H) * D;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1)
+        for (size_t i = 0; i < items.size(); ++i) {
+            const Item& it = items[i];
+            attend_seq_avx512<D, T>(q + it.seq * seq_stride, k_cache, v_cache,
+                                    block_tables + it.seq * table_stride + it.begin / block_size, it.len,
+                                    out + it.seq * seq_stride, num_kv_heads, G, block_size, scale, scores,
+                                    it.part < 0 ? nullptr : parts.data() + it.part * part_size);
+        }
+    }
+    for (const Split& sp : splits)
+        merge_slices<D, T>(parts.data() + sp.first_part * part_size, sp.num_parts, H, out + sp.seq * seq_stride);
+}
+#endif
+
 template <typename T>
 int decode(const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
            int64_t table_stride, const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
@@ -356,20 +443,12 @@ int decode(const void* q, const void* k_cache, const void* v_cache, const int32_
     const size_t seq_stride = size_t(num_heads) * head_dim;
 #if defined(__AVX512F__)
     if ((head_dim == 64 || head_dim == 128) && num_heads <= kMaxHeads) {
-#pragma omp parallel num_threads(num_threads)
-        {
-            std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1)
-            for (int b = 0; b < num_seqs; ++b) {
-                const int32_t* table = block_tables + b * table_stride;
-                if (head_dim == 64)
-                    attend_seq_avx512<64, T>(qt + b * seq_stride, kc, vc, table, seq_lens[b], ot + b * seq_stride,
-                                             num_kv_heads, G, block_size, scale, scores);
-                else
-                    attend_seq_avx512<128, T>(qt + b * seq_stride, kc, vc, table, seq_lens[b], ot + b * seq_stride,
-                                              num_kv_heads, G, block_size, scale, scores);
-            }
-        }
+        if (head_dim == 64)
+            decode_avx512<64, T>(qt, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
+                                 num_kv_heads, block_size, scale, num_threads);
+        else
+            decode_avx512<128, T>(qt, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
+                                  num_kv_heads, block_size, scale, num_threads);
         return 0;
     }
 #endif
