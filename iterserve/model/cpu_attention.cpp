@@ -19,7 +19,7 @@ namespace {
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;
 constexpr int kMaxHeads = 64;  // query heads, for the AVX-512 path's register tiles
-constexpr int kMinSlice = 512;  // positions: a shorter slice of a split context saves less than its merge
+constexpr int kMinSlice = 512;  // positions per slice of a split context: shorter ones save less than their merge
 constexpr int kMaxSlices = 64;
 
 template <typename T>
@@ -384,8 +384,8 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
 
 #if defined(__AVX512F__)
 // Work items are whole sequences, except when there are too few of them to keep every thread busy
-// (a single long chat): then long contexts are cut into slices of whole blocks, at least kMinSlice
-// positions each, attended apart and merged.
+// (a single long chat): then a context is cut into slices of whole blocks, at most one per thread
+// and one per kMinSlice positions, attended apart and merged.
 template <int D, typename T>
 void decode_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, int64_t table_stride,
                    const int32_t* seq_lens, T* out, int num_seqs, int H, int num_kv_heads, int block_size,
