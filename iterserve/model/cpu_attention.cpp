@@ -192,24 +192,27 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
             part[size_t(H) * D + 2 * g + 1] = total;
         }
     }
-    // P.V for a tile of query heads of one kv head at a time, so the tile's accumulators stay in
-    // registers (all of SmolLM's 9 x 4 would not fit in 32). A kv head's slice of a row is its own
-    // cache lines: the sweeps read disjoint lines, and the first one prefetches whole rows.
+    // P.V block by block: every kv head's tiles of query heads (accumulators in registers within a
+    // block; all of SmolLM's 9 x 4 would not fit in 32) sweep a V block while it is in cache, so
+    // reading V overlaps the arithmetic of every head. Sweeping one kv head over the whole context
+    // at a time left the second and third sweeps without memory traffic (measured: 10-13% slower
+    // kernel). The first tile of each block prefetches rows 16 positions ahead.
     constexpr int TG = 16 / C;  // 4 heads at D=64, 2 at D=128: 16 accumulators
     alignas(64) float tmp[16];
-    for (int h = 0; h < num_kv_heads; ++h)
-        for (int g0 = h * G; g0 < (h + 1) * G; g0 += TG) {
-            const int n = (h + 1) * G - g0 < TG ? (h + 1) * G - g0 : TG;
-            const bool first = g0 == 0;
-            __m512 acc[TG][C];
-            for (int t = 0; t < TG; ++t)
-                for (int c = 0; c < C; ++c) acc[t][c] = _mm512_setzero_ps();
-            for (int j = 0; j < num_blocks; ++j) {
-                const T* vb = v_cache + size_t(table[j]) * block_size * row + h * D;
-                const int p0 = j * block_size, m = seq_len - p0 < block_size ? seq_len - p0 : block_size;
+    alignas(64) float acc_mem[kMaxHeads * D];  // the tiles' accumulators between blocks
+    for (int i = 0; i < H * D; ++i) acc_mem[i] = 0.f;
+    for (int j = 0; j < num_blocks; ++j) {
+        const int p0 = j * block_size, m = seq_len - p0 < block_size ? seq_len - p0 : block_size;
+        for (int h = 0; h < num_kv_heads; ++h) {
+            const T* vb = v_cache + size_t(table[j]) * block_size * row + h * D;
+            for (int g0 = h * G; g0 < (h + 1) * G; g0 += TG) {
+                const int n = (h + 1) * G - g0 < TG ? (h + 1) * G - g0 : TG;
+                __m512 acc[TG][C];
+                for (int t = 0; t < TG; ++t)
+                    for (int c = 0; c < C; ++c) acc[t][c] = t < n ? _mm512_load_ps(acc_mem + (g0 + t) * D + 16 * c) : _mm512_setzero_ps();
                 for (int i = 0; i < m; ++i) {
                     const int p = p0 + i;
-                    if (first && p + 16 < seq_len) prefetch_l2(row_at(v_cache, p + 16), row_bytes);
+                    if (g0 == 0 && p + 16 < seq_len) prefetch_l2(row_at(v_cache, p + 16), row_bytes);
                     __m512 vv[C];
                     for (int c = 0; c < C; ++c) vv[c] = load16(vb + i * row + 16 * c);
                     for (int t = 0; t < TG; ++t) {
@@ -218,17 +221,20 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
                         for (int c = 0; c < C; ++c) acc[t][c] = _mm512_fmadd_ps(w, vv[c], acc[t][c]);
                     }
                 }
+                for (int t = 0; t < n; ++t)
+                    for (int c = 0; c < C; ++c) _mm512_store_ps(acc_mem + (g0 + t) * D + 16 * c, acc[t][c]);
             }
-            for (int t = 0; t < n; ++t)
-                for (int c = 0; c < C; ++c) {
-                    const __m512 o = _mm512_mul_ps(acc[t][c], _mm512_set1_ps(inv[g0 + t]));
-                    if (part) {
-                        _mm512_storeu_ps(part + (g0 + t) * D + 16 * c, o);
-                        continue;
-                    }
-                    _mm512_store_ps(tmp, o);
-                    for (int d = 0; d < 16; ++d) from_f32(tmp[d], out + (g0 + t) * D + 16 * c + d);
-                }
+        }
+    }
+    for (int g = 0; g < H; ++g)
+        for (int c = 0; c < C; ++c) {
+            const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc_mem + g * D + 16 * c), _mm512_set1_ps(inv[g]));
+            if (part) {
+                _mm512_storeu_ps(part + g * D + 16 * c, o);
+                continue;
+            }
+            _mm512_store_ps(tmp, o);
+            for (int d = 0; d < 16; ++d) from_f32(tmp[d], out + g * D + 16 * c + d);
         }
 }
 
