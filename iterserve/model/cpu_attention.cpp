@@ -393,8 +393,8 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
 // (a single long chat): then a context is cut into slices of whole blocks, at most one per thread
 // and one per kMinSlice positions, attended apart and merged.
 template <int D, typename T>
-void decode_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, int64_t table_stride,
-                   const int32_t* seq_lens, T* out, int num_seqs, int H, int num_kv_heads, int block_size,
+void decode_avx512(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                   int64_t table_stride, const int32_t* seq_lens, T* out, int num_seqs, int H, int num_kv_heads, int block_size,
                    float scale, int num_threads) {
     struct Item { int seq, begin, len, part; };  // part: index of its slice buffer, -1 when whole
     struct Split { int seq, first_part, num_parts; };
@@ -425,7 +425,7 @@ void decode_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < items.size(); ++i) {
             const Item& it = items[i];
-            attend_seq_avx512<D, T>(q + it.seq * seq_stride, k_cache, v_cache,
+            attend_seq_avx512<D, T>(q + it.seq * q_stride, k_cache, v_cache,
                                     block_tables + it.seq * table_stride + it.begin / block_size, it.len,
                                     out + it.seq * seq_stride, num_kv_heads, G, block_size, scale, scores,
                                     it.part < 0 ? nullptr : parts.data() + it.part * part_size);
@@ -437,7 +437,7 @@ void decode_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t
 #endif
 
 template <typename T>
-int decode(const void* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+int decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache, const int32_t* block_tables,
            int64_t table_stride, const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
            int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {
     const int G = num_heads / num_kv_heads;
@@ -450,10 +450,10 @@ int decode(const void* q, const void* k_cache, const void* v_cache, const int32_
 #if defined(__AVX512F__)
     if ((head_dim == 64 || head_dim == 128) && num_heads <= kMaxHeads) {
         if (head_dim == 64)
-            decode_avx512<64, T>(qt, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
+            decode_avx512<64, T>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
                                  num_kv_heads, block_size, scale, num_threads);
         else
-            decode_avx512<128, T>(qt, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
+            decode_avx512<128, T>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
                                   num_kv_heads, block_size, scale, num_threads);
         return 0;
     }
@@ -464,7 +464,7 @@ int decode(const void* q, const void* k_cache, const void* v_cache, const int32_
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_seqs * num_kv_heads; ++item) {
             const int b = item / num_kv_heads, h = item % num_kv_heads;
-            attend_one<T>(qt + b * seq_stride, kc, vc, block_tables + b * table_stride, seq_lens[b],
+            attend_one<T>(qt + b * q_stride, kc, vc, block_tables + b * table_stride, seq_lens[b],
                           ot + b * seq_stride, num_kv_heads, G, head_dim, block_size, scale, h, scores);
         }
     }
@@ -475,17 +475,19 @@ int decode(const void* q, const void* k_cache, const void* v_cache, const int32_
 
 extern "C" {
 
-// q, out [num_seqs, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads,
-// head_dim], contiguous; block_tables [num_seqs, table_stride] int32; seq_lens [num_seqs] int32.
-// Returns 0, or 1 for shapes it does not handle. dtype: 0 float32, 1 bfloat16.
-int iterserve_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
+// q [num_seqs, num_heads, head_dim] with sequences q_stride elements apart (heads contiguous: a view
+// into the fused qkv rows needs no copy), out the same shape contiguous; k_cache, v_cache
+// [num_blocks, block_size, num_kv_heads, head_dim], contiguous; block_tables [num_seqs, table_stride]
+// int32; seq_lens [num_seqs] int32. Returns 0, or 1 for shapes it does not handle. dtype: 0 float32,
+// 1 bfloat16.
+int iterserve_decode_attention(int dtype, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                                const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
                                void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                                int block_size, float scale, int num_threads) {
     if (dtype == 0)
-        return decode<float>(q, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
+        return decode<float>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
                              num_kv_heads, head_dim, block_size, scale, num_threads);
-    return decode<uint16_t>(q, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
+    return decode<uint16_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
                             num_kv_heads, head_dim, block_size, scale, num_threads);
 }
 

@@ -96,7 +96,7 @@ def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
     builds the portable loops, -mno-avx512bf16 the AVX-512 path without bf16 dot products."""
     lib = _build(SOURCE, [*FLAGS, *extra_flags])
     return _bind(lib, "iterserve_decode_attention",
-                 [_i32, _p, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32], _i32)
+                 [_i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32], _i32)
 
 
 @functools.cache
@@ -139,15 +139,17 @@ def elementwise_ops(extra_flags: tuple[str, ...] = ()) -> Ops | None:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_threads: int, kernel=None) -> torch.Tensor:
-    """q [B, H, D] -> out [B, H, D]; caches [num_blocks, block_size, Hkv, D]; tables/lens int32."""
+    """q [B, H, D] (each row's heads contiguous, rows any stride: a view into qkv) -> out [B, H, D]
+    contiguous; caches [num_blocks, block_size, Hkv, D]; tables/lens int32."""
     fn = kernel or decode_attention_kernel()
-    q = q.contiguous()
     b, h, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
     _, block_size, hkv, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-    out = torch.empty_like(q)
-    rc = fn(DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+    out = q.new_empty(b, h, d)
+    rc = fn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, scale, num_threads)
     if rc != 0:
         raise ValueError(f"decode attention kernel: unsupported shape (heads {h}, kv heads {hkv}, head dim {d})")

@@ -150,6 +150,23 @@ def test_kernel_splits_long_contexts_of_small_batches(dtype, tol, block_size, th
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_queries_in_place_from_wider_rows(dtype):
+    """q as the model passes it: a view of the fused qkv rows (row stride (H + 2 Hkv) * D), not copied."""
+    torch.manual_seed(6)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    qkv = torch.randn(4, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(4, heads, head_dim)
+    assert not q.is_contiguous()
+    cache = torch.randn(2, 16, bs, kv_heads, head_dim, dtype=dtype)
+    tables = torch.randperm(16).to(torch.int32).view(4, 4).contiguous()
+    seq_lens = torch.tensor([1, 20, 64, 47], dtype=torch.int32)
+    got = cpu_kernels.decode_attention(q, cache[0], cache[1], tables, seq_lens, 0.125, 2)
+    want = cpu_kernels.decode_attention(q.contiguous(), cache[0], cache[1], tables, seq_lens, 0.125, 2)
+    assert got.is_contiguous() and torch.equal(got, want)
+
+
+@needs_kernel
 def test_kernel_rejects_shapes_it_does_not_handle():
     q = torch.zeros(1, 40, 8)  # 40 query heads on 2 kv heads: a group of 20 is past its limit
     cache = torch.zeros(4, BS, 2, 8)
