@@ -129,10 +129,11 @@ inline void prefetch_l2(const void* p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
 }
 
-// One sequence, all heads. The K pass reads each cache slot (all kv heads of one position) whole and
-// in order and scores 16 positions per vector; the P.V pass goes kv head by kv head. With `part`
-// (a slice of a split context, see decode) the result goes there in float32 instead of to out,
-// [H][D] normalized within the slice, then each head's score max and exp-sum: [H][2].
+// One sequence (or one slice of it), all heads. The K pass reads each cache slot (all kv heads of one
+// position) whole and in order and scores 16 positions per vector; the P.V pass goes block by block
+// (below). With `part` (a slice of a split context, see decode_avx512) the result goes there in
+// float32 instead of to out, [H][D] normalized within the slice, then each head's score max and
+// exp-sum: [H][2].
 template <int D, typename T>
 void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
                        T* out, int num_kv_heads, int G, int block_size, float scale, std::vector<float>& scores,
