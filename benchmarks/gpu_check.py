@@ -392,8 +392,8 @@ def run_decode_section(args, copy_bytes_per_s: float | None) -> dict:
 # ---------------------------------------------------------------- section 3: engine-level, 8B-shaped
 
 def llama_model_config(shape: LlamaShape, max_len: int):
-    from iterserve.model.loader import ModelConfig
-    return ModelConfig(num_layers=shape.num_layers, hidden_size=shape.hidden, num_heads=shape.num_heads,
+    from iterserve.model.loader import ModelArch
+    return ModelArch(num_layers=shape.num_layers, hidden_size=shape.hidden, num_heads=shape.num_heads,
                        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, intermediate_size=shape.intermediate,
                        vocab_size=shape.vocab, rope_theta=shape.rope_theta, max_position_embeddings=max_len)
 
@@ -425,7 +425,7 @@ def random_llama_weights(shape: LlamaShape, dtype: torch.dtype, device: str, see
 def run_bench_section(args) -> dict:
     """`iterserve bench --targets continuous,static` on a random-weight Llama-3-8B built in memory.
 
-    The ModelRunner is built from an in-memory state dict (ModelRunner(config, model_config,
+    The ModelRunner is built from an in-memory state dict (ModelRunner(config, arch,
     weights)), so the engine path is the real one: the profiled KV pool, the Triton backend and
     the decode CUDA graphs captured at start-up. No tokenizer: prompts are corpus bytes as ids."""
     from iterserve.bench.runner import run_bench

@@ -51,7 +51,7 @@ def main() -> None:
     runner = ModelRunner(EngineConfig(dtype=args.dtype, num_kv_blocks=blocks, num_threads=args.threads,
                                       quantization=args.quantization))
     runner.kv_cache.normal_(0, 0.1)  # a "pre-filled" cache: the cost does not depend on the values
-    cfg, dtype = runner.model_config, runner.dtype
+    cfg, dtype = runner.arch, runner.dtype
     weights = linear_weights(runner)
     wbytes = sum(w.nbytes for w in weights)
     params = sum(w.shape[0] * w.shape[1] for w in weights)

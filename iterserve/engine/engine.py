@@ -38,7 +38,7 @@ class Engine:
         self.tokenizer = getattr(executor, "tokenizer", None)
         self.eos_token_id = getattr(executor, "eos_token_id", None)
         self.vocab_size = getattr(executor, "vocab_size", None) or \
-            getattr(getattr(executor, "model_config", None), "vocab_size", None)
+            getattr(getattr(executor, "arch", None), "vocab_size", None)
         # config.num_kv_blocks may cap a shared executor's pool (tests, what-if runs)
         num_blocks = min(executor.num_kv_blocks, self.config.num_kv_blocks or executor.num_kv_blocks)
         self.scheduler = Scheduler(self.config, num_blocks, executor.max_model_len, clock,

@@ -21,7 +21,7 @@ from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.sampler import make_batch, sample
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
-from iterserve.model.loader import (ModelConfig, default_model_path, load_model_config, load_tokenizer,
+from iterserve.model.loader import (ModelArch, default_model_path, load_model_arch, load_tokenizer,
                                     load_weights)
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
@@ -53,9 +53,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig | None = None,
+    def __init__(self, config: EngineConfig, arch: ModelArch | None = None,
                  weights: dict[str, torch.Tensor] | None = None, tokenizer=None):
-        """Loads config.model. Or, given model_config and weights (HF names, already on the device in
+        """Loads config.model. Or, given arch and weights (HF names, already on the device in
         the runner's dtype), builds from memory with no file: benchmarks run random-weight models
         of any shape that way (tokenizer None: prompts must be token ids)."""
         self.config = config
@@ -65,10 +65,10 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         if weights is None:
             path = config.model or default_model_path()
-            model_config, tokenizer = load_model_config(path), load_tokenizer(path)
-            weights = load_weights(path, model_config, self.dtype, self.device)
-        assert model_config is not None, "weights given without their model_config"
-        self.model_config = cfg = model_config
+            arch, tokenizer = load_model_arch(path), load_tokenizer(path)
+            weights = load_weights(path, arch, self.dtype, self.device)
+        assert arch is not None, "weights given without their arch"
+        self.arch = cfg = arch
         self.tokenizer = tokenizer
         self.eos_token_id = self._eos_id()
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -145,7 +145,7 @@ class ModelRunner:
         return plan, used
 
     def _alloc_kv(self, num_blocks: int, device: torch.device) -> torch.Tensor:
-        c = self.model_config
+        c = self.arch
         shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         if device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=device)
@@ -154,14 +154,14 @@ class ModelRunner:
         return kv.zero_()
 
     def _eos_id(self) -> int:
-        ids = list(self.model_config.eos_token_ids)
+        ids = list(self.arch.eos_token_ids)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         return ids[0] if ids else (tok_eos if tok_eos is not None else -1)
 
     @property
     def eos_token_ids(self) -> set[int]:
         """Every id that ends generation: the model's and the tokenizer's (they may differ)."""
-        ids = set(self.model_config.eos_token_ids)
+        ids = set(self.arch.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from iterserve.model import cpu_kernels
 from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
-from iterserve.model.loader import ModelConfig
+from iterserve.model.loader import ModelArch
 from iterserve.model.quant import Weight, check_supported, linear, pack_float, quantize
 
 
@@ -30,7 +30,7 @@ class LayerWeights:
     down: Weight
 
 
-def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse frequencies, with llama3 / linear scaling as transformers computes them."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
@@ -57,7 +57,7 @@ def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], block_size: int,
+    def __init__(self, cfg: ModelArch, weights: dict[str, torch.Tensor], block_size: int,
                  max_positions: int | None = None, quantization: str | None = None):
         self.cfg, self.block_size = cfg, block_size
         w = weights

@@ -20,7 +20,9 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass(slots=True)
-class ModelConfig:
+class ModelArch:
+    """The architecture read from config.json or a GGUF header: shapes, and what differs between families."""
+
     num_layers: int
     hidden_size: int
     num_heads: int
@@ -65,7 +67,7 @@ def _kind(path: str) -> str:
 
 # ---------------------------------------------------------------- config
 
-def load_model_config(path: str) -> ModelConfig:
+def load_model_arch(path: str) -> ModelArch:
     return _gguf_config(path) if _kind(path) == "gguf" else _hf_config(path)
 
 
@@ -90,7 +92,7 @@ def _gguf_fields(path: str) -> dict:
     return out
 
 
-def _gguf_config(path: str) -> ModelConfig:
+def _gguf_config(path: str) -> ModelArch:
     f = _gguf_fields(path)
     arch = f["general.architecture"]
     g = lambda key, default=None: f.get(f"{arch}.{key}", default)  # noqa: E731
@@ -101,7 +103,7 @@ def _gguf_config(path: str) -> ModelConfig:
     if g("rope.scaling.type") in ("linear",) and g("rope.scaling.factor"):
         scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
     eos = f.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    return ModelArch(
         num_layers=int(g("block_count")), hidden_size=hidden, num_heads=heads,
         num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=head_dim,
         intermediate_size=int(g("feed_forward_length")), vocab_size=int(vocab),
@@ -118,7 +120,7 @@ def _gguf_vocab(path: str) -> list:
     return _gguf_reader(path).fields["tokenizer.ggml.tokens"].contents()
 
 
-def _hf_config(path: str) -> ModelConfig:
+def _hf_config(path: str) -> ModelArch:
     c = json.loads((Path(path) / "config.json").read_text())
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     eos = c.get("eos_token_id")
@@ -128,7 +130,7 @@ def _hf_config(path: str) -> ModelConfig:
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     theta = c.get("rope_theta") or rope.get("rope_theta") or 10000.0
     scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-    return ModelConfig(
+    return ModelArch(
         num_layers=c["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads", heads), head_dim=c.get("head_dim") or hidden // heads,
         intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
@@ -166,13 +168,13 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_weights(path: str, config: ModelConfig, dtype: torch.dtype = torch.float32,
+def load_weights(path: str, config: ModelArch, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     raw = _gguf_weights(path, config) if _kind(path) == "gguf" else _hf_weights(path)
     return {k: v.to(device=device, dtype=dtype) for k, v in raw.items()}
 
 
-def _gguf_weights(path: str, config: ModelConfig) -> dict[str, torch.Tensor]:
+def _gguf_weights(path: str, config: ModelArch) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
     permuted = config.architecture in ("llama", "mistral")  # only LlamaModel's converter permutes
     out = {}

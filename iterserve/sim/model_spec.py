@@ -115,8 +115,8 @@ def get_model_spec(name: str, dtype_bytes: int | None = None) -> ModelSpec:
 
 
 def _spec_from_gguf(path: str, dtype_bytes: int | None) -> ModelSpec:
-    from iterserve.model.loader import load_model_config
-    c = load_model_config(path)
+    from iterserve.model.loader import load_model_arch
+    c = load_model_arch(path)
     return ModelSpec(name=Path(path).stem, num_layers=c.num_layers, hidden_size=c.hidden_size,
                      num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,

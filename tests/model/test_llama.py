@@ -7,7 +7,7 @@ import torch
 from iterserve.model.attention import build_plan, paged_attention
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
-from iterserve.model.loader import load_model_config, load_weights
+from iterserve.model.loader import load_model_arch, load_weights
 
 BS = 4
 
@@ -77,7 +77,7 @@ def tiny_checkpoint(tmp_path, kind: str):
 @pytest.mark.parametrize("kind", ["llama", "tied", "llama3", "qwen2"])
 def test_tiny_models_match_transformers(tmp_path, kind):
     hf = tiny_checkpoint(tmp_path, kind)
-    cfg = load_model_config(str(tmp_path))
+    cfg = load_model_arch(str(tmp_path))
     assert cfg.attention_bias == (kind == "qwen2")
     model = LlamaModel(cfg, load_weights(str(tmp_path), cfg), BS)
     ids = torch.randint(0, 128, (150,))

@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from iterserve.model.loader import (ModelConfig, gguf_to_hf_name, load_model_config, load_tokenizer,
+from iterserve.model.loader import (ModelArch, gguf_to_hf_name, load_model_arch, load_tokenizer,
                                     load_weights, unpermute_qk)
 
 H, HEADS, KV, D, FF, VOCAB, LAYERS = 64, 4, 2, 16, 128, 96, 2
@@ -67,7 +67,7 @@ def test_unpermute_inverts_the_converter_permute():
 def test_gguf_weights_dequantize_and_unpermute(tmp_path, qtype):
     path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(path, qtype)
-    cfg = load_model_config(str(path))
+    cfg = load_model_arch(str(path))
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (LAYERS, H, HEADS, KV, D)
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == [5] and cfg.rope_theta == 5e4 and cfg.vocab_size == VOCAB
     weights = load_weights(str(path), cfg)
@@ -77,8 +77,8 @@ def test_gguf_weights_dequantize_and_unpermute(tmp_path, qtype):
 
 
 def test_default_model_config(default_model_path):
-    cfg = load_model_config(default_model_path)
-    assert isinstance(cfg, ModelConfig)
+    cfg = load_model_arch(default_model_path)
+    assert isinstance(cfg, ModelArch)
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == [2] and cfg.architecture == "llama"
 
@@ -91,6 +91,6 @@ def test_tokenizer_has_chat_template(tokenizer):
 def test_unknown_path_is_a_clear_error(tmp_path):
     for bad in (str(tmp_path / "nope.gguf"), str(tmp_path)):
         with pytest.raises(ValueError, match="cannot load a model"):
-            load_model_config(bad)
+            load_model_arch(bad)
         with pytest.raises(ValueError, match="cannot load a model"):
             load_tokenizer(bad)
