@@ -37,6 +37,8 @@ from iterserve.server.protocol import (
 
 logger = logging.getLogger("iterserve.server")
 
+_UNSUPPORTED = "this field is not supported by iterserve (see docs/api.md)"
+
 # What can end a stream early besides the request's own outputs; each carries its HTTP status and type.
 _STREAM_ERRORS = (EngineDeadError, RequestTimeoutError)
 
@@ -82,7 +84,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         message = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()) if x != 'body') or 'body'}: "
-                            f"{err.get('msg')}" for err in errors[:5])
+                            f"{_UNSUPPORTED if err.get('type') == 'extra_forbidden' else err.get('msg')}"
+                            for err in errors[:5])
         return error_response(400, message or "invalid request body", "invalid_request_error",
                               ".".join(loc) or None)
 

@@ -13,13 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from iterserve.sampling_params import SamplingParams
 
 
+# A field this server does not implement is refused with a 400 naming it, never silently ignored
+# (OpenAI's own API refuses unknown fields too); app.py words pydantic's extra_forbidden error.
+_STRICT = ConfigDict(extra="forbid")
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers commonly do (clients send extras).
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = None
@@ -40,7 +45,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None
+    user: str | None = None  # an end-user id for abuse tracking: nothing to do with generation
 
     def sampling_params(self, default_max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         if self.presence_penalty or self.frequency_penalty:
@@ -78,12 +83,13 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(BaseModel):
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     role: str
     content: str | list[TextPart] | None = None
 
