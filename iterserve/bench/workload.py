@@ -194,3 +194,31 @@ def materialize_prompts(trace: Trace, tokenizer, seed: int | None = None) -> Tra
             r.prompt_token_ids = (prefix + window)[:r.prompt_len]
         assert len(r.prompt_token_ids) == r.prompt_len, (r.request_id, len(r.prompt_token_ids), r.prompt_len)
     return trace
+
+
+def multi_tenant_trace(num_tenants: int, system_prompt_len: int, num_requests: int, user_len: int = 64,
+                       output_len: int = 64, request_rate: float | None = None, seed: int = 0,
+                       tokenizer=None) -> Trace:
+    """Tenants take turns (interleaved, in a seeded shuffle), each request its tenant's system
+    prompt (its own window of the corpus) followed by a question of its own: the trace where
+    routing decides how often a replica finds the prefix in its cache."""
+    ids = corpus_token_ids(tokenizer)
+    rng = random.Random(seed)
+
+    def window(n: int) -> list[int]:
+        start = rng.randrange(len(ids))
+        return [ids[(start + k) % len(ids)] for k in range(n)]
+
+    systems = [window(system_prompt_len) for _ in range(num_tenants)]
+    tenants = [i % num_tenants for i in range(num_requests)]
+    rng.shuffle(tenants)
+    times = arrival_times(num_requests, "poisson" if request_rate else "offline", request_rate, 1.0,
+                          random.Random(seed + 1))
+    reqs = []
+    for i, t in enumerate(tenants):
+        prompt = systems[t] + window(user_len)
+        reqs.append(TraceRequest(f"t{t}-r{i}", len(prompt), output_len, round(times[i], 6), prompt))
+    meta = {"seed": seed, "num_requests": num_requests, "num_tenants": num_tenants,
+            "system_prompt_len": system_prompt_len, "user_len": user_len, "output_len": output_len,
+            "arrivals": "poisson" if request_rate else "offline", "request_rate": request_rate}
+    return Trace(reqs, None, meta)

@@ -1,0 +1,75 @@
+"""The simulator's multi-replica mode: N real schedulers behind the routing policy, one timeline."""
+from __future__ import annotations
+
+import pytest
+
+from iterserve.bench.runner import run_trace
+from iterserve.bench.workload import LengthDist, make_trace, materialize_prompts, multi_tenant_trace
+from iterserve.config import EngineConfig
+from iterserve.router import make_router
+from iterserve.sim.cli import main as simulate_main, make_engine
+from iterserve.sim.cluster import run_cluster
+from iterserve.sim.hardware import get_hardware
+from iterserve.sim.model_spec import get_model_spec
+
+MODEL, HW = get_model_spec("llama-2-7b"), get_hardware("a100-80gb")
+
+
+def engines(n: int, **kw) -> list:
+    return [make_engine(EngineConfig(max_num_seqs=16, **kw), MODEL, HW) for _ in range(n)]
+
+
+def test_one_replica_is_the_single_engine_run():
+    """The event loop adds nothing of its own: one replica gives the bench driver's figures exactly."""
+    trace = make_trace(60, LengthDist("uniform", 64, 8, 200), LengthDist("exponential", 40, high=120),
+                       arrivals="poisson", request_rate=30, seed=3)
+    materialize_prompts(trace, None)
+    single = run_trace(engines(1)[0], trace)
+    cluster, stats = run_cluster(engines(1), trace, make_router("round-robin"))
+    key = lambda m: (m.request_id, m.ttft, m.e2e, m.output_len)  # noqa: E731
+    assert [key(m) for m in cluster.requests] == [key(m) for m in single.requests]
+    assert stats.requests_per_replica == [60]
+
+
+def test_replicas_share_the_work_and_all_requests_finish():
+    trace = make_trace(200, LengthDist("fixed", 96), LengthDist("fixed", 32), arrivals="poisson",
+                       request_rate=200, seed=1)
+    result, stats = run_cluster(engines(4), trace, make_router("power-of-two", seed=1))
+    assert len(result.requests) == 200 and all(m.e2e is not None for m in result.requests)
+    assert sum(stats.requests_per_replica) == 200 and min(stats.requests_per_replica) >= 30
+    # parallel replicas: the run takes far less modelled time than one engine's busy time for all of it
+    busy = sum(s.end - s.start for s in result.steps)
+    assert result.duration < 0.6 * busy
+
+
+def test_prefix_affinity_beats_round_robin_on_a_multi_tenant_trace():
+    """8 tenants on 2 replicas whose caches hold about half the system prompts each: affinity
+    keeps each tenant on one replica, round-robin makes both replicas compute (and evict) all."""
+    trace = multi_tenant_trace(8, 512, 160, user_len=32, output_len=16, request_rate=40, seed=0)
+    hit = {}
+    ttft = {}
+    for policy in ("prefix-affinity", "round-robin"):
+        result, stats = run_cluster(engines(2, num_kv_blocks=200), trace, make_router(policy))
+        hit[policy] = stats.prefix_hit_rate
+        ttft[policy] = sum(m.ttft for m in result.requests) / len(result.requests)
+        assert len(result.requests) == 160
+    assert hit["prefix-affinity"] > hit["round-robin"] + 0.1, hit
+    assert ttft["prefix-affinity"] < ttft["round-robin"], ttft
+
+
+def test_cli_replicas(capsys):
+    assert simulate_main(["--num-requests", "40", "--request-rate", "50", "--targets", "continuous",
+                          "--replicas", "3", "--router", "round-robin"]) == 0
+    out = capsys.readouterr().out
+    assert "continuous x3 round-robin" in out and "requests per replica 13..14" in out
+
+
+def test_cli_closed_loop_is_a_clear_error(capsys):
+    assert simulate_main(["--num-requests", "10", "--concurrency", "4", "--replicas", "2"]) == 2
+    assert "open-loop" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["0", "-1"])
+def test_cli_bad_replica_count(bad, capsys):
+    assert simulate_main(["--num-requests", "10", "--replicas", bad, "--router", "round-robin"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
