@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from iterserve.kv.kv_cache_manager import KVCacheManager
 from iterserve.request import Request, RequestTimes
 from iterserve.router import (
-    POLICIES, PowerOfTwoRouter, PrefixAffinityRouter, ReplicaLoad, RoundRobinRouter, make_router,
+    POLICIES, PowerOfTwoRouter, PrefixAffinityRouter, ReplicaLoad, make_router,
     prompt_block_hashes,
 )
 from iterserve.sampling_params import SamplingParams
@@ -91,17 +91,14 @@ def test_affinity_follows_the_longest_known_prefix_and_skips_dead_owners():
     assert router.choose(hashes, loads) in ("a", "c")
 
 
-@pytest.mark.parametrize("router", [RoundRobinRouter(), PrefixAffinityRouter(), PowerOfTwoRouter()],
-                         ids=["round-robin", "prefix-affinity", "power-of-two"])
+@pytest.mark.parametrize("policy", POLICIES)
 @given(n=st.integers(1, 8), num=st.integers(1, 200), seed=st.integers(0, 10_000))
 @settings(max_examples=40, deadline=None)
-def test_load_balance_under_uniform_prompts(router, n, num, seed):
+def test_load_balance_under_uniform_prompts(policy, n, num, seed):
     """Distinct prompts, none finishing: the in-flight spread stays within one request (round-robin,
     affinity falling back to least-loaded); power of two choices stays within a few."""
     import random
-    router.in_flight.clear()
-    if isinstance(router, PowerOfTwoRouter):
-        router.rng.seed(seed)
+    router = make_router(policy, seed)
     rng = random.Random(seed)
     loads = {f"r{i}": ReplicaLoad() for i in range(n)}
     for _ in range(num):

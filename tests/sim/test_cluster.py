@@ -57,19 +57,26 @@ def test_prefix_affinity_beats_round_robin_on_a_multi_tenant_trace():
     assert ttft["prefix-affinity"] < ttft["round-robin"], ttft
 
 
+def simulate(argv: list[str]) -> int:
+    try:
+        return simulate_main(argv)
+    except SystemExit as exc:  # a user error: one line on stderr and a status
+        return exc.code
+
+
 def test_cli_replicas(capsys):
-    assert simulate_main(["--num-requests", "40", "--request-rate", "50", "--targets", "continuous",
+    assert simulate(["--num-requests", "40", "--request-rate", "50", "--targets", "continuous",
                           "--replicas", "3", "--router", "round-robin"]) == 0
     out = capsys.readouterr().out
     assert "continuous x3 round-robin" in out and "requests per replica 13..14" in out
 
 
 def test_cli_closed_loop_is_a_clear_error(capsys):
-    assert simulate_main(["--num-requests", "10", "--concurrency", "4", "--replicas", "2"]) == 2
+    assert simulate(["--num-requests", "10", "--concurrency", "4", "--replicas", "2"]) == 2
     assert "open-loop" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", ["0", "-1"])
 def test_cli_bad_replica_count(bad, capsys):
-    assert simulate_main(["--num-requests", "10", "--replicas", bad, "--router", "round-robin"]) == 2
+    assert simulate(["--num-requests", "10", "--replicas", bad, "--router", "round-robin"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err
