@@ -23,6 +23,7 @@ class RequestOutput:
     error: str | None = None
     index: int = 0  # which of the request's n sequences (n > 1: request_id is "<parent>#<index>")
     parent_id: str | None = None  # the id add_request returned
+    n: int = 1  # how many sequences its request asked for (metrics count the request once)
 
     @property
     def num_prompt_tokens(self) -> int:
