@@ -1,4 +1,4 @@
-"""What the user asks of one request's generation: length, randomness, stops, logprobs."""
+"""What the user asks of one request's generation: length, randomness, penalties, stops, logprobs."""
 from __future__ import annotations
 
 import math
@@ -22,6 +22,15 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; N: the sampled token's logprob plus the top N
     n: int = 1
     skip_special_tokens: bool = True
+    # vLLM's semantics: presence/frequency subtract from the logits of tokens already generated;
+    # repetition divides positive (multiplies negative) logits of tokens in the prompt or output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS, stop token ids and stop strings are ignored until this many tokens
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # None: off; N: each prompt token's logprob plus the top N
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,10 +65,30 @@ class SamplingParams:
             raise bad("stop", "must be at most 16 non-empty strings of at most 1024 characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _finite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        if self.logit_bias is not None and (len(self.logit_bias) > 1024 or any(
+                not _int(t) or t < 0 or not _finite(b) or not -100 <= b <= 100 for t, b in self.logit_bias.items())):
+            raise bad("logit_bias", "must map at most 1024 token ids (integers >= 0) to biases in [-100, 100]")
+        if not _int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.prompt_logprobs is not None and (not _int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x: object) -> bool:

@@ -55,6 +55,8 @@ class Engine:
         params = params or SamplingParams()
         params.validate()
         token_ids = self.encode(prompt)
+        if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary (0..{self.vocab_size - 1})")
         request_id = request_id or uuid.uuid4().hex
         arrival = self.clock() if arrival_time is None else arrival_time
         sequences = [Request(self.sequence_id(request_id, k), token_ids, self._sequence_params(params, k),
@@ -65,7 +67,8 @@ class Engine:
         for seq in sequences:
             detokenizer = None
             if self.tokenizer is not None:
-                detokenizer = Detokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
+                detokenizer = Detokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
+                                          params.include_stop_str_in_output)
             self.states[seq.request_id] = _TextState(detokenizer)
         return request_id
 
@@ -142,7 +145,8 @@ class Engine:
         if logprobs is not None:
             state.logprobs.append(logprobs)
         if state.detokenizer is not None:
-            stop = state.detokenizer.add(request.token_ids[-1])
+            stop = state.detokenizer.add(request.token_ids[-1],
+                                         request.num_output_tokens >= request.sampling_params.min_tokens)
             if stop is not None and not request.finished:
                 request.stop_reason = stop
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)

@@ -18,6 +18,7 @@ import torch
 
 from iterserve.config import EngineConfig
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
+from iterserve.executor.logits_processors import make_adjust
 from iterserve.executor.sampler import make_batch, sample
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
@@ -235,9 +236,11 @@ class ModelRunner:
         sampled = [-1] * len(plan.scheduled)
         if not rows:
             return sampled, None
-        params = [plan.scheduled[i].sampling_params for i in rows]
-        gens = [self._generator(plan.scheduled[i]) for i in rows]
-        batch = make_batch(params, gens, logits.shape[-1], logits.device)
+        reqs = [plan.scheduled[i] for i in rows]
+        gens = [self._generator(r) for r in reqs]
+        vocab = logits.shape[-1]
+        batch = make_batch([r.sampling_params for r in reqs], gens, vocab, logits.device,
+                           make_adjust(reqs, self.eos_token_ids, vocab, logits.device))
         sel = logits if len(rows) == len(plan.scheduled) else logits[torch.tensor(rows, device=logits.device)]
         tokens, lps = sample(sel, batch)
         logprobs = [None] * len(plan.scheduled) if lps is not None else None

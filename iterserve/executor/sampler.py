@@ -1,5 +1,8 @@
 """Batched sampling for the rows that sample: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
+Penalties, logit_bias and min_tokens (logits_processors.py) change the logits first, on a copy:
+logprobs are the raw model's, as vLLM reports them.
+
 All per-row parameters are tensors, so a batch of mixed settings is one pass of torch ops. Random
 rows draw with the exponential race: argmax(probs / q), q ~ Exp(1) — the same distribution as
 multinomial, but the only randomness is q, drawn per row. A seeded request draws its q from its
@@ -11,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from iterserve.executor import logits_processors
+from iterserve.executor.logits_processors import LogitsAdjust
 from iterserve.model import cpu_kernels
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import TokenLogprobs
@@ -28,10 +33,11 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row: its request's generator, or None
     max_logprobs: int  # -1: no row asked for logprobs
     logprobs: list[int | None]
+    adjust: LogitsAdjust | None = None  # None: no row has a penalty, bias or min_tokens
 
 
 def make_batch(params: list[SamplingParams], generators: list[torch.Generator | None],
-               vocab_size: int, device: torch.device) -> SamplingBatch:
+               vocab_size: int, device: torch.device, adjust: LogitsAdjust | None = None) -> SamplingBatch:
     greedy = [p.temperature == 0.0 for p in params]
     t = lambda xs, dt=torch.float32: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
     top_k = top_p = min_p = None
@@ -45,25 +51,27 @@ def make_batch(params: list[SamplingParams], generators: list[torch.Generator | 
     return SamplingBatch(
         temperature=t([1.0 if g else p.temperature for p, g in zip(params, greedy)])[:, None],
         top_k=top_k, top_p=top_p, min_p=min_p, greedy=t(greedy, torch.bool), all_greedy=all(greedy),
-        generators=generators, max_logprobs=max((n for n in lp if n is not None), default=-1), logprobs=lp)
+        generators=generators, max_logprobs=max((n for n in lp if n is not None), default=-1), logprobs=lp,
+        adjust=adjust)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[TokenLogprobs | None] | None]:
     """logits [S, vocab] in any float dtype -> (token per row, logprobs per row or None)."""
-    if batch.all_greedy and batch.max_logprobs < 0:
+    if batch.all_greedy and batch.max_logprobs < 0 and batch.adjust is None:
         # no float32 copy: widening keeps order and ties. On CPU the C++ argmax; else max().indices,
         # not argmax: both take the first maximum, and max is faster (64 x 49k bf16: 1.5 vs 5.9 ms)
         if logits.device.type == "cpu" and logits.dtype in cpu_kernels.DTYPES and cpu_kernels.elementwise_ops():
             return cpu_kernels.argmax_rows(logits.contiguous()), None
         return logits.max(dim=-1).indices.tolist(), None
-    logits = logits.float()
+    raw = logits.float()
+    logits = raw if batch.adjust is None else logits_processors.apply(raw.clone(), batch.adjust)
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
         probs = _filtered_probs(logits, batch)
         tokens = torch.where(batch.greedy, logits.argmax(dim=-1), _race(probs, batch.generators))
     token_list = tokens.tolist()
-    return token_list, _logprobs(logits, tokens, batch) if batch.max_logprobs >= 0 else None
+    return token_list, _logprobs(raw, tokens, batch) if batch.max_logprobs >= 0 else None
 
 
 def _filtered_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

@@ -18,6 +18,10 @@ class ScheduledRequest:
     sample: bool  # the prompt is complete after this step, so a token is sampled
     sampling_params: SamplingParams
     output_len: int = 0  # tokens generated so far (seeded sampling offsets by it)
+    # the request's own lists, not copies (penalties and prompt logprobs read them; output_len
+    # bounds what was generated when the plan was made)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
     is_padding: bool = False  # static mode: a finished request computing its seat as padding
 
     @property

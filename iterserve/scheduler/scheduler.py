@@ -323,7 +323,8 @@ class Scheduler:
         tokens = request.token_ids
         return ScheduledRequest(
             request.request_id, tokens[start:start + n], start, self.kv.req_block_ids[request.request_id],
-            start + n == len(tokens), request.sampling_params, len(request.output_token_ids))
+            start + n == len(tokens), request.sampling_params, len(request.output_token_ids),
+            prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids)
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:

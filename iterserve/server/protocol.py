@@ -45,22 +45,36 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token ids as text
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     user: str | None = None  # an end-user id for abuse tracking: nothing to do with generation
 
     def sampling_params(self, default_max_tokens: int, num_logprobs: int | None) -> SamplingParams:
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (use 0)")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=num_logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens)
+            logprobs=num_logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=_token_keys(self.logit_bias),
+            min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise ValueError("logit_bias: keys must be token ids") from None
 
 
 class CompletionRequest(_SamplingRequest):

@@ -77,3 +77,24 @@ def test_prompt_longer_than_context_is_400(real_server):
     max_len = real_server.async_engine.engine.scheduler.max_model_len
     r = httpx.post(real_server.url + "/v1/completions", json={"model": MODEL, "prompt": list(range(1, max_len + 5))})
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
+def test_penalties_bias_and_min_tokens_steer_the_real_model(client, tokenizer):
+    prompt = "One, two, one, two, one, two,"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    ids = tokenizer.encode(plain.choices[0].text, add_special_tokens=False)
+    repeated = client.completions.create(**kw, extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+    assert repeated.choices[0].text != plain.choices[0].text
+    fresh = client.completions.create(**kw, presence_penalty=2.0, frequency_penalty=2.0, extra_body={"ignore_eos": True})
+    fresh_ids = tokenizer.encode(fresh.choices[0].text, add_special_tokens=False)
+    assert len(set(fresh_ids)) > len(set(ids))  # penalised: more distinct tokens than the loop
+    forced = tokenizer.encode(" cat", add_special_tokens=False)[0]
+    r = client.completions.create(**kw, logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert tokenizer.encode(r.choices[0].text, add_special_tokens=False) == [forced] * 12
+    # a greedy chat answer that ends early runs on to min_tokens
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=40, temperature=0)
+    short = client.chat.completions.create(**chat)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 20
+    longer = client.chat.completions.create(**chat, extra_body={"min_tokens": 20})
+    assert longer.usage.completion_tokens >= 20
