@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from iterserve.engine.diagnostics import Capacity, Diagnostics, Thresholds
+from iterserve.engine.diagnostics import KINDS, Capacity, Diagnostics, Thresholds
 from tests.server.conftest import MODEL, fake_engine, start_server, wait_for
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -69,7 +69,8 @@ def test_the_dashboard_shows_the_running_requests(tokenizer, tmp_path):
         running = dom.stdout.split('id="running"', 1)[1].split("</div>", 1)[0]
         shown = [rid for rid in ids if rid in running]
         assert " running: " in running and shown, running[:500]
-        assert "preemption" in dom.stdout.split('id="diagnostics"', 1)[1]  # the active diagnostics are listed
+        listed = dom.stdout.split('id="diagnostics"', 1)[1].split("</ul>", 1)[0]
+        assert any(f'class="kind">{kind}: ' in listed for kind in KINDS), listed  # the active diagnostics
         assert 'id="updated">updated ' in dom.stdout  # the page fetched and rendered at least once
         shot = tmp_path / "dashboard.png"
         out = chromium(browser, tmp_path, "--virtual-time-budget=4000", f"--screenshot={shot}", server.url + "/dashboard")
