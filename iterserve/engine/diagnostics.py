@@ -14,7 +14,11 @@ import math
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from iterserve.engine.stats import EngineStats
+    from iterserve.outputs import RequestOutput, StepRecord
 
 logger = logging.getLogger("iterserve.diagnostics")
 
@@ -36,7 +40,7 @@ class StepSample:
     num_prefix_hits: int = 0
 
     @classmethod
-    def of(cls, record, stats) -> "StepSample":
+    def of(cls, record: "StepRecord", stats: "EngineStats") -> "StepSample":
         """From the engine's StepRecord and EngineStats of one step."""
         return cls(record.end, stats.num_running, stats.num_waiting, stats.num_swapped, stats.kv_usage,
                    record.num_batched_tokens, len(record.preempted_ids), stats.num_prefix_queries,
@@ -64,7 +68,7 @@ class FinishedRequest:
     num_preemptions: int
 
     @classmethod
-    def of(cls, out) -> "FinishedRequest":
+    def of(cls, out: "RequestOutput") -> "FinishedRequest":
         """From a finished RequestOutput (its timestamps are the engine's)."""
         t = out.times
         return cls(out.request_id, t.finished if t.finished is not None else t.arrival, t.arrival,
@@ -174,7 +178,7 @@ class Diagnostics:
         self._held: dict[str, float] = {}  # kind -> when its condition last held
 
     # ---- the engine thread: O(1) -------------------------------------------------------------
-    def on_step(self, stats, outputs: list) -> None:
+    def on_step(self, stats: "EngineStats", outputs: "list[RequestOutput]") -> None:
         """After each engine step (or an abort: then no new step record), with the EngineStats and outputs."""
         if stats.num_steps != self._last_step and stats.last_step is not None:
             self._last_step = stats.num_steps

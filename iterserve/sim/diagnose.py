@@ -16,9 +16,11 @@ from pathlib import Path
 from iterserve.engine.diagnostics import (
     Capacity, Diagnostics, FinishedRequest, Slo, StartedRequest, StepSample, Thresholds,
 )
-from iterserve.entrypoints.args import HelpFormatter, fail
+from iterserve.config import CacheConfig, SchedulerConfig
+from iterserve.entrypoints.args import HelpFormatter, add_config_args, config_from_args, fail
 from iterserve.sim.hardware import HardwareSpec
 from iterserve.sim.tune import parse_seconds
+from iterserve.sim.whatif import SimulatorWhatIf
 
 DEFAULT_BLOCK_SIZE, DEFAULT_BUDGET = 16, 2048
 
@@ -51,7 +53,8 @@ def diagnostics_of(target: dict, engine: dict, slo: Slo, whatif=None, bytes_per_
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="iterserve diagnose", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("report", help="a report written by `iterserve bench --json` or `iterserve simulate --json`")
+    p.add_argument("report", help="a report written by `iterserve bench --json` or `iterserve simulate --json`, "
+                   "or a trace (`--save-trace`), which is first simulated with the engine flags below")
     p.add_argument("--target", default=None, help="diagnose only this target (default: every engine target)")
     p.add_argument("--slo-ttft", type=parse_seconds, default=None, help="TTFT SLO, e.g. 500ms (default: the report's)")
     p.add_argument("--slo-tpot", type=parse_seconds, default=None, help="TPOT SLO, e.g. 50ms (default: the report's)")
@@ -60,18 +63,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hardware", default=None, help="simulator hardware preset for the what-if (default: the "
                    "report's simulated hardware, else cpu-local)")
     p.add_argument("--json", default=None, help="also write the diagnostics to this path")
+    add_config_args(p, CacheConfig, "KV cache")  # for a trace: the settings it is simulated at
+    add_config_args(p, SchedulerConfig, "scheduler", exclude=("scheduling", "static_padding"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.getLogger("iterserve.diagnostics").setLevel(logging.ERROR)  # printed below instead
-    try:
-        report = json.loads(Path(args.report).read_text())
-    except (OSError, ValueError) as exc:
-        fail(f"cannot read {args.report}: {exc}")
-    if "targets" not in report:
-        fail(f"{args.report} is not a bench or simulate report (no 'targets')")
+    path = Path(args.report)
+    if not path.is_file():
+        fail(f"cannot read {path}: no such file")
+    engine_flags = [a.dest for g in parser._action_groups if g.title in ("KV cache", "scheduler")
+                    for a in g._group_actions if getattr(args, a.dest) != a.default]
+    if _is_trace(path):
+        report = _simulate(path, args)
+    elif engine_flags:
+        fail(f"{', '.join('--' + f.replace('_', '-') for f in engine_flags)}: engine flags apply to a trace, "
+             "not to a report (it was run with its own settings)")
+    else:
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            fail(f"cannot read {path}: {exc}")
+    if not isinstance(report, dict) or "targets" not in report:
+        fail(f"{path} is not a bench or simulate report (no 'targets') nor a trace")
+    diagnose_report(report, args)
+    return 0
+
+
+def diagnose_report(report: dict, args: argparse.Namespace) -> None:
     config, engine = report.get("config", {}), report.get("config", {}).get("engine", {})
     targets = [t for t in report["targets"] if args.target in (None, t["name"]) and t.get("extra", {}).get("num_kv_blocks")]
     if not targets:
@@ -82,10 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     model, hw = _simulated_system(args, config, engine)
     out = {}
     for target in targets:
-        from iterserve.sim.whatif import SimulatorWhatIf
         base = {k: v for k, v in engine.items() if k not in ("model", "max_num_seqs", "max_num_batched_tokens")}
-        base["model"] = model.name
-        whatif = SimulatorWhatIf(model, hw, base)
+        whatif = SimulatorWhatIf(model, hw, {**base, "model": model.name})
         bpb = model.kv_bytes_per_token * (engine.get("block_size") or DEFAULT_BLOCK_SIZE)
         diag = diagnostics_of(target, engine, slo, whatif, bpb)
         found = diag.evaluate(max(target.get("duration_s") or 0.0, 0.0))
@@ -97,7 +117,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")
-    return 0
+
+
+def _is_trace(path: Path) -> bool:
+    with open(path) as f:
+        first = f.readline()
+    try:
+        head = json.loads(first)
+    except ValueError:  # a report's first line is "{" alone
+        return False
+    return isinstance(head, dict) and "trace" in head
+
+
+def _simulate(path: Path, args: argparse.Namespace) -> dict:
+    """A trace through the simulator at the given engine settings: the report `simulate --json` would write."""
+    from iterserve.bench.metrics import Slo as BenchSlo
+    from iterserve.bench.metrics import summarize
+    from iterserve.bench.workload import Trace
+    from iterserve.sim.cli import simulate_trace
+    model, hw = _simulated_system(args, {}, {})
+    config = config_from_args(args, model=model.name)
+    engine = {k: v for k, v in config.flat().items() if v is not None}
+    result = simulate_trace(Trace.load(path), config, model, hw, name="continuous")
+    target = summarize(result, BenchSlo(args.slo_ttft, args.slo_tpot))
+    return {"config": {"engine": engine, "simulator": {"model": model.name, "hardware": hw.to_json()}},
+            "targets": [target]}
 
 
 def _simulated_system(args: argparse.Namespace, config: dict, engine: dict):

@@ -150,3 +150,29 @@ def test_grafana_panels_use_only_metrics_the_server_exposes(server):
         assert not missing, f"panel query {expr!r} names metrics /metrics does not have: {missing}"
     scrape = (ROOT / "deploy/prometheus/prometheus.yml").read_text()
     assert "metrics_path: /metrics" in scrape and "job_name: iterserve" in scrape
+
+
+def test_an_aborted_request_with_n_sequences_counts_once(server):
+    server.async_engine.engine.executor.step_delay = 0.01
+    body = {"model": MODEL, "prompt": "Tell a long story", "max_tokens": 500, "n": 3, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # running: then the client leaves
+    wait_for(lambda: metric(_metrics(server), "iterserve:request_success_total", finished_reason="abort") > 0, 5)
+    wait_for(lambda: server.async_engine.num_open_requests == 0, 5)
+    text = _metrics(server)
+    assert metric(text, "iterserve:request_success_total", finished_reason="abort") == 1
+    assert metric(text, "iterserve:e2e_request_latency_seconds_count") == 1
+    assert metric(text, "iterserve:prompt_tokens_total") == metric(text, "iterserve:request_prompt_tokens_sum") > 0
+
+
+def test_serve_flags_for_operations_have_defaults_and_help():
+    from iterserve.server.cli import build_parser
+    parser = build_parser()
+    args = parser.parse_args([])
+    assert (args.shutdown_timeout, args.diagnostics, args.slo_ttft, args.slo_tpot) == (30.0, True, None, None)
+    args = parser.parse_args(["--no-diagnostics", "--slo-tpot", "0.05", "--shutdown-timeout", "5"])
+    assert (args.shutdown_timeout, args.diagnostics, args.slo_tpot) == (5.0, False, 0.05)
+    text = parser.format_help()
+    assert "--shutdown-timeout" in text and "(default: 30.0)" in text and "--slo-ttft" in text

@@ -39,3 +39,17 @@ def test_diagnose_says_what_it_cannot_read(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         iterserve(["diagnose", str(tmp_path / "missing.json")])
     assert exc.value.code == 2 and "cannot read" in capsys.readouterr().err
+
+
+def test_diagnose_a_trace_simulates_it_at_the_given_settings(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    assert iterserve([*SIM, "--max-num-seqs", "16", "--save-trace", str(trace)]) == 0
+    capsys.readouterr()
+    sim = ["--model", "llama-2-7b", "--hardware", "a100-80gb", "--num-kv-blocks", "64"]
+    assert iterserve(["diagnose", str(trace), *sim, "--max-num-seqs", "16"]) == 0
+    out = capsys.readouterr().out
+    seqs = int(re.search(r"lower --max-num-seqs to (\d+)", out).group(1))
+    assert iterserve(["diagnose", str(trace), *sim, "--max-num-seqs", str(seqs)]) == 0
+    assert "continuous: 0 diagnostics" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a report ran with its own settings: engine flags would be ignored
+        iterserve(["diagnose", str(tmp_path / "x.json"), "--max-num-seqs", "8"])
