@@ -1,0 +1,274 @@
+"""`iterserve serve --data-parallel-size N`: N engine replicas behind one OpenAI endpoint, on Ray Serve.
+
+    Ray Serve proxy ── Ingress (the FastAPI app of server/app.py, over a ReplicaClient)
+                          │ deployment handle + IterserveRequestRouter (our policy, router/policy.py)
+                          ├── EngineReplica 0: AsyncEngine ── Engine
+                          └── EngineReplica 1: ...
+
+The ingress tokenizes (the router needs the prompt's token ids to hash its blocks) and hands the
+ids to Ray's router, which picks a replica with our policy; the replica streams RequestOutputs back.
+Each replica reports its EngineStats through Ray's routing-stats hook; the router reads them
+(and its own count of requests in flight) to balance load, and /health and /metrics show them per
+replica. Ray restarts a replica whose process dies: a request that had not streamed anything yet is
+retried on another replica, one that had ends with an engine_dead error; others are untouched.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+
+from iterserve.outputs import RequestOutput
+from iterserve.sampling_params import SamplingParams
+from iterserve.server.async_engine import AsyncEngine, EngineDeadError
+
+logger = logging.getLogger("iterserve.server")
+
+ROUTER_CLASS = "iterserve.router.ray_router:IterserveRequestRouter"
+# A request is retried this many times while no replica has started streaming it.
+MAX_DISPATCH_ATTEMPTS = 3
+_REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+class EngineReplica:
+    """One engine (an AsyncEngine on its own thread) in one Ray actor process."""
+
+    def __init__(self, build_engine: Callable[[], object], request_timeout: float | None = None) -> None:
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.stats = None
+        self.num_requests = 0
+        self.async_engine = AsyncEngine(build_engine, request_timeout=request_timeout,
+                                        on_step=lambda stats, outputs: setattr(self, "stats", stats))
+        self.stats = self.async_engine.engine.stats
+
+    async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str, priority: int,
+                       cache_salt: str | None) -> AsyncIterator[RequestOutput | None]:
+        """Yields None once the engine accepted the request (bad input raises before), then its outputs."""
+        stream = await self.async_engine.add_request(prompt, params, request_id=request_id, priority=priority,
+                                                     cache_salt=cache_salt)
+        self.num_requests += 1
+        yield None
+        async for out in stream:
+            yield out
+
+    def info(self) -> dict:
+        engine = self.async_engine.engine
+        return {"tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len, "pid": os.getpid(),
+                "replica": self.replica_id}
+
+    def record_routing_stats(self) -> dict:
+        """Ray's routing-stats hook, polled by the controller; our router reads the result."""
+        s = self.stats
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting + s.num_swapped, "kv_usage": s.kv_usage,
+                "num_preemptions": s.num_preemptions, "num_prefix_queries": s.num_prefix_queries,
+                "num_prefix_hits": s.num_prefix_hits, "num_requests": self.num_requests, "pid": os.getpid(),
+                "alive": self.async_engine.dead is None}
+
+    def check_health(self) -> None:
+        """Ray's health check: a dead engine loop makes Ray replace this replica."""
+        if self.async_engine.dead is not None:
+            raise RuntimeError(f"the engine loop has died: {self.async_engine.dead!r}")
+
+
+class ReplicaStream:
+    """One request's outputs from a replica; the same surface as AsyncEngine's RequestStream."""
+
+    def __init__(self, request_id: str, engine: "ReplicaClient", response) -> None:
+        self.request_id, self.engine, self.response = request_id, engine, response
+        self.finished = False
+        self.num_outputs = 0
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in self.response:
+                self.num_outputs += 1
+                if out.finished:
+                    self.finished = True
+                yield out
+            self.finished = True
+        except _REPLICA_GONE as e:
+            self.finished = True
+            raise EngineDeadError(f"the replica serving this request died after {self.num_outputs} outputs "
+                                  f"({type(e).__name__}); retry the request") from e
+        finally:
+            if not self.finished:  # the client went away: cancelling reaches the replica, which aborts it
+                self.finished = True
+                self.response.cancel()
+
+
+class _EngineInfo:
+    """What build_app reads from `async_engine.engine` (the tokenizer and the context length)."""
+
+    def __init__(self, tokenizer, max_model_len: int) -> None:
+        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+
+
+class ReplicaClient:
+    """Stands in for an AsyncEngine in build_app: requests go to the replicas through the handle."""
+
+    def __init__(self, handle, tokenizer, max_model_len: int) -> None:
+        self.handle = handle.options(stream=True)
+        self.engine = _EngineInfo(tokenizer, max_model_len)
+        self.on_step = None  # build_app sets it; there is no engine in this process
+        self.streams: dict[str, ReplicaStream] = {}
+
+    @property
+    def dead(self) -> BaseException | None:
+        return None if any(s.get("alive") for s in replica_stats().values()) else EngineDeadError("no live replica")
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                          priority: int = 0, cache_salt: str | None = None) -> ReplicaStream:
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, str) and prompt and tokenizer is not None:  # the router hashes token ids
+            prompt = list(tokenizer.encode(prompt))
+        error = None
+        for _ in range(MAX_DISPATCH_ATTEMPTS):
+            response = self.handle.generate.remote(prompt, params, request_id, priority, cache_salt)
+            try:
+                await response.__anext__()  # None: accepted; bad input raises the engine's own error here
+            except _REPLICA_GONE as e:  # nothing was streamed: safe to send it again
+                logger.warning("request %s: its replica died before it started (%s); retrying", request_id, e)
+                error = e
+                continue
+            return ReplicaStream(request_id, self, response)
+        raise EngineDeadError(f"no replica could take the request: {error!r}")
+
+    def abort(self, request_id: str) -> None:
+        pass  # a ReplicaStream cancels its own call when it ends early
+
+
+def replica_stats() -> dict[str, dict]:
+    """Every live replica's latest report, from the Ray routers in this process."""
+    from iterserve.router.ray_router import LIVE_ROUTERS
+    out: dict[str, dict] = {}
+    for router in list(LIVE_ROUTERS):
+        out.update(router.replica_stats())
+    return out
+
+
+_GAUGES = {"num_running": ("num_requests_running", "Requests in the running batch."),
+           "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+           "kv_usage": ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)."),
+           "num_preemptions": ("num_preemptions_total", "Requests preempted since the replica started."),
+           "num_prefix_queries": ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+           "num_prefix_hits": ("prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+           "num_requests": ("replica_requests_total", "Requests this replica accepted since it started.")}
+
+
+class ClusterMetrics:
+    """/metrics for the ingress: the engine gauges with a `replica` label, from the replicas' reports."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.on_step = None  # build_app hands it to the ReplicaClient, which never calls it
+
+    def render(self) -> bytes:
+        registry = CollectorRegistry()
+        gauges = {k: Gauge("iterserve:" + name, doc, ["model_name", "replica"], registry=registry)
+                  for k, (name, doc) in _GAUGES.items()}
+        up = Gauge("iterserve:replica_up", "1 while the replica's engine loop runs.", ["model_name", "replica"],
+                   registry=registry)
+        for replica, stats in replica_stats().items():
+            up.labels(self.model_name, replica).set(1 if stats.get("alive") else 0)
+            for key, gauge in gauges.items():
+                if key in stats:
+                    gauge.labels(self.model_name, replica).set(stats[key])
+        return generate_latest(registry)
+
+
+class Ingress:
+    """The OpenAI app of server/app.py over a ReplicaClient; built once the replicas answer."""
+
+    def __init__(self, engines, served_model_name: str, api_key: str | None = None,
+                 max_request_bytes: int = 4 << 20, allowed_origins: list[str] | None = None) -> None:
+        self.engines = engines
+        self.app_kwargs = {"served_model_name": served_model_name, "api_key": api_key,
+                           "max_request_bytes": max_request_bytes, "allowed_origins": allowed_origins}
+
+    async def __serve_build_asgi_app__(self):
+        from iterserve.server.app import build_app
+        info = await self.engines.info.remote()
+        client = ReplicaClient(self.engines, info["tokenizer"], info["max_model_len"])
+        metrics = ClusterMetrics(self.app_kwargs["served_model_name"])
+        app = build_app(client, metrics=metrics, **self.app_kwargs)
+        app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in ("/health", "/metrics")]
+
+        @app.get("/health")
+        async def health():
+            """200 while at least one replica's engine runs; the body says how each one is doing."""
+            stats = replica_stats()
+            status = 200 if any(s.get("alive") for s in stats.values()) else 503
+            return JSONResponse({"replicas": stats}, status_code=status)
+
+        @app.get("/metrics")
+        async def prometheus():
+            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+        return app
+
+
+def build_ray_app(build_engine: Callable[[], object], num_replicas: int, served_model_name: str, *,
+                  policy: str = "prefix-affinity", block_size: int = 16, num_cpus_per_replica: float = 1.0,
+                  request_timeout: float | None = None, stats_period_s: float = 0.5, **app_kwargs):
+    """The Serve application (bind graph): `serve.run(build_ray_app(...))` starts it."""
+    if num_replicas < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {num_replicas}")
+    router = RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                 request_router_kwargs={"policy": policy, "block_size": block_size},
+                                 request_routing_stats_period_s=stats_period_s)
+    replica = serve.deployment(EngineReplica, name="EngineReplica", num_replicas=num_replicas,
+                               ray_actor_options={"num_cpus": num_cpus_per_replica},
+                               max_ongoing_requests=100_000,  # the engine queues (and rejects) by itself
+                               request_router_config=router, health_check_period_s=2, health_check_timeout_s=30)
+    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(build_engine, request_timeout), served_model_name, **app_kwargs)
+
+
+def start_ray(address: str | None, num_cpus: float | None = None) -> None:
+    """Join the cluster at `address`, or start a local Ray; a one-line ValueError when neither works."""
+    import ray
+    if address and ":" in address and "://" not in address:
+        _check_reachable(address)
+    try:
+        ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False,
+                 log_to_driver=False, ignore_reinit_error=True)
+    except Exception as e:  # noqa: BLE001 - Ray raises many kinds; the user needs one line
+        raise ValueError(f"cannot start Ray{f' at {address}' if address else ''}: {e}") from None
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """ray.init retries an unreachable GCS for minutes; a host:port nobody answers on fails here at once."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout).close()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot reach a Ray cluster at {address}: {e}") from None
+
+
+def wait_until_ready(timeout: float, app_name: str = "default") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app_name)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise ValueError(f"the Ray Serve app failed to start: {status.message}")
+        time.sleep(0.5)
+    raise ValueError(f"the Ray Serve app did not start within {timeout:g}s")

@@ -1,0 +1,121 @@
+"""Two engine replicas on a local Ray Serve behind our router: the openai client, both replicas used,
+and a replica killed mid-request (only its requests fail; Ray restarts it and the app serves again)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="ray[serve] is not installed (pip install 'iterserve[serve]')")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from iterserve.config import EngineConfig  # noqa: E402
+from iterserve.engine import Engine  # noqa: E402
+from tests.fake_executor import FakeExecutor  # noqa: E402
+from tests.server.conftest import wait_for  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODEL = "test-model"
+pytestmark = pytest.mark.timeout(240)
+
+
+class SlowFakeExecutor(FakeExecutor):
+    """Steps that take real time, so requests are still in flight when a replica is killed."""
+
+    def execute(self, plan):
+        time.sleep(0.02)
+        return super().execute(plan)
+
+
+def build_engine() -> Engine:
+    return Engine(EngineConfig(max_num_seqs=8, num_kv_blocks=64), executor=SlowFakeExecutor())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray import serve
+
+    from iterserve.server.ray_app import build_ray_app, start_ray, wait_until_ready
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    start_ray(None, num_cpus=2)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_ray_app(build_engine, 2, MODEL, policy="round-robin", num_cpus_per_replica=0.5),
+                  blocking=False)
+        wait_until_ready(120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=10).json()["replicas"]
+
+
+def test_two_replicas_serve_the_openai_client_then_survive_a_killed_one(cluster):
+    url = cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    wait_for(lambda: len(health(url)) == 2, 60, "two replicas did not report")
+    done = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=5)
+    assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 4 and any(c.choices for c in chunks)
+    for _ in range(4):
+        client.completions.create(model=MODEL, prompt=[9, 9, 9], max_tokens=2)
+    # both replicas took requests (their reports arrive on Ray's stats poll)
+    wait_for(lambda: all(s["num_requests"] >= 2 for s in health(url).values()), 30,
+             "requests did not reach both replicas")
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert metrics.count('iterserve:replica_requests_total{model_name="test-model",replica=') == 2
+
+    # four long streams, two per replica (round-robin); kill one replica while all four run
+    def long_stream(k: int) -> str:
+        try:
+            usage = None
+            for chunk in client.completions.create(model=MODEL, prompt=[k + 1] * 8, max_tokens=400, stream=True,
+                                                   stream_options={"include_usage": True}):
+                usage = chunk.usage or usage
+            return f"ok {usage.completion_tokens}"
+        except openai.APIError as e:
+            return f"failed {e}"
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(long_stream, k) for k in range(4)]
+        running = wait_for(lambda: (h := health(url)) and all(s["num_running"] == 2 for s in h.values()) and h,
+                           30, "the long requests did not all start")
+        victim, stats = next(iter(running.items()))
+        os.kill(stats["pid"], signal.SIGKILL)
+        results = [f.result(timeout=90) for f in futures]
+    failed = [r for r in results if r.startswith("failed")]
+    assert len(failed) == 2, results  # the victim's two, with a clear message
+    assert all("replica serving this request died" in r for r in failed), failed
+    assert sorted(r for r in results if r.startswith("ok")) == ["ok 400", "ok 400"], results
+
+    # Ray restarts the replica (a new id); the app serves on both again
+    wait_for(lambda: (h := health(url)) and victim not in h and len(h) == 2 and all(s["alive"] for s in h.values()),
+             60, "the killed replica was not restarted")
+    for _ in range(4):
+        out = client.completions.create(model=MODEL, prompt=[3, 1, 4, 1, 5], max_tokens=3)
+        assert out.usage.completion_tokens == 3
+    wait_for(lambda: all(s["num_requests"] >= 1 for s in health(url).values()), 30,
+             "the restarted replica took no request")
+
+
+def test_bad_input_is_a_400_from_the_replica(cluster):
+    r = httpx.post(f"{cluster}/v1/completions", json={"model": MODEL, "prompt": [10**9], "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
