@@ -11,11 +11,15 @@ once per step (AttentionPlan) into
   - prompt rows (a fresh prompt, a chunk, a recompute): one SDPA call per request. A fresh prompt
     attends to its own new K/V (is_causal); a later chunk reads its context from the cache with an
     explicit bottom-right causal mask (is_causal would align top-left, wrong when q_len < kv_len).
+
+A windowed layer (ModelArch.sliding_window) masks the positions a query is `window` or more behind;
+the C++ decode kernel does not read the blocks wholly behind it. Gemma 2's score soft-capping
+(cap * tanh(s / cap)) goes through the same kernels, or an explicit masked softmax in torch.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,8 @@ class PromptSeq:
     fresh: bool  # start_pos == 0: no cached context, attend to the new K/V only
     block_table: torch.Tensor  # [num_blocks] covering seq_len
     mask: torch.Tensor | None  # [q_len, seq_len] bool, for chunks only
+    # window -> [q_len, seq_len] bool, causal and within the window: made by the first layer that needs it
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class Workspace:
@@ -65,6 +71,7 @@ class AttentionPlan:
     # set by the first layer, which sees the cache's shape, and reused by the others:
     decode_kv_rows: torch.Tensor | None = None  # [Bd * Hkv * L] rows of layer_cache[0].view(-1, D), head-major
     decode_ctx: torch.Tensor | None = None  # [2, Bd, Hkv, L, D] the gather target
+    decode_window_bias: torch.Tensor | None = None  # decode_bias with the window's far side masked too
 
 
 def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
@@ -92,6 +99,7 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
             bias = torch.zeros((len(dec), nb * block_size), dtype=dtype, device=dev)
             bias.masked_fill_(pos[None, :] >= seq_lens[:, None], float("-inf"))
             decode_bias = bias[:, None, None, :]
+            decode_seq_lens = seq_lens  # for a windowed layer's bias
         decode_rows = None if decode_all else torch.tensor([starts[b] for b in dec], device=dev)
     prompts = []
     for b, q_len in enumerate(md.query_lens_list):
@@ -127,16 +135,18 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_m
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-                    plan: AttentionPlan, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D] (this step's, rope applied) -> out [T, H, D]."""
+                    plan: AttentionPlan, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] (this step's, rope applied) -> out [T, H, D]. window: a query sees
+    only the last `window` positions (0: all); softcap: scores = softcap * tanh(scores / softcap) (0: off)."""
     write_kv(layer_cache, k, v, plan.slot_mapping, plan.kernels)
     if plan.decode_all:
-        return _decode(q, layer_cache, plan, scale)
+        return _decode(q, layer_cache, plan, scale, window, softcap)
     out = torch.empty_like(q)
     if decode_rows_present(plan):
-        out.index_copy_(0, plan.decode_rows, _decode(q.index_select(0, plan.decode_rows), layer_cache, plan, scale))
+        out.index_copy_(0, plan.decode_rows, _decode(q.index_select(0, plan.decode_rows), layer_cache, plan, scale,
+                                                     window, softcap))
     for p in plan.prompts:
-        out[p.rows] = _prompt(q[p.rows], k[p.rows], v[p.rows], layer_cache, p, scale, plan)
+        out[p.rows] = _prompt(q[p.rows], k[p.rows], v[p.rows], layer_cache, p, scale, plan, window, softcap)
     return out
 
 
@@ -144,11 +154,12 @@ def decode_rows_present(plan: AttentionPlan) -> bool:
     return plan.decode_blocks is not None or plan.decode_tables is not None
 
 
-def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, scale: float, window: int = 0,
+            softcap: float = 0.0) -> torch.Tensor:
     """One query per sequence: q [B, H, D] against the gathered, head-major context [2, B, Hkv, L, D]."""
     if plan.decode_tables is not None:
         return cpu_kernels.decode_attention(q, layer_cache[0], layer_cache[1], plan.decode_tables,
-                                            plan.decode_seq_lens, scale, plan.num_threads)
+                                            plan.decode_seq_lens, scale, plan.num_threads, window=window, softcap=softcap)
     b, h, d = q.shape
     hkv = layer_cache.shape[3]
     g = h // hkv
@@ -161,20 +172,35 @@ def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, sca
     torch.index_select(layer_cache[0].view(-1, d), 0, rows, out=ctx[0].view(-1, d))
     torch.index_select(layer_cache[1].view(-1, d), 0, rows, out=ctx[1].view(-1, d))
     qg = q.view(b, hkv, g, d)  # query heads sharing one kv head become rows of one matmul
-    scores = torch.matmul(qg, ctx[0].transpose(-1, -2)).mul_(scale).add_(plan.decode_bias)  # [B, Hkv, G, L]
+    scores = torch.matmul(qg, ctx[0].transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap).mul_(softcap)
+    scores.add_(_window_bias(plan, window) if window else plan.decode_bias)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, ctx[1]).view(b, h, d)
 
 
+def _window_bias(plan: AttentionPlan, window: int) -> torch.Tensor:
+    """decode_bias with positions `window` or more behind each sequence's last one masked; one per step."""
+    if plan.decode_window_bias is None:
+        bias = plan.decode_bias.clone()
+        pos = torch.arange(bias.shape[-1], device=bias.device)
+        bias[:, 0, 0].masked_fill_(pos[None, :] < (plan.decode_seq_lens - window)[:, None], float("-inf"))
+        plan.decode_window_bias = bias
+    return plan.decode_window_bias
+
+
 def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
-            p: PromptSeq, scale: float, plan: AttentionPlan) -> torch.Tensor:
+            p: PromptSeq, scale: float, plan: AttentionPlan, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     if not p.fresh:  # context = cached tokens (this step's were just written) read through the block table
         hkv, d = layer_cache.shape[3:]
         # index_select copies whole blocks (memcpy); advanced indexing goes element by element (~8x slower)
         k = layer_cache[0].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
         v = layer_cache[1].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
-    if plan.kernels and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
-        return cpu_kernels.prompt_attention(q, k, v, scale, plan.num_threads)  # causal, bottom-right aligned
+    if plan.kernels and not softcap and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
+        return cpu_kernels.prompt_attention(q, k, v, scale, plan.num_threads, window)  # causal, bottom-right aligned
+    if window or softcap:
+        return _masked_prompt(q, k, v, p, scale, window, softcap)
     # 4-D [1, H, T, D]: torch's CPU flash kernel takes only 4-D inputs; 3-D falls back to the math
     # path (~2x slower at 512 tokens, measured). On CPU its float32 kernel is faster than its bf16
     # one (5.7 vs 8.1 ms for 512 tokens, 9 heads), and more exact: widen, attend, narrow.
@@ -183,3 +209,22 @@ def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torc
     out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None].to(wide) for x in (q, k, v)),
                                          attn_mask=p.mask, is_causal=p.fresh, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).to(dtype)
+
+
+def _masked_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PromptSeq, scale: float, window: int,
+                   softcap: float) -> torch.Tensor:
+    """A windowed or soft-capped prompt: q [T, H, D] at the end of k/v [S, Hkv, D], in float32 with an
+    explicit mask (SDPA has no soft-capping)."""
+    t, s = q.shape[0], k.shape[0]
+    mask = p.window_masks.get(window)
+    if mask is None:
+        qpos = torch.arange(s - t, s, device=q.device)[:, None]
+        kpos = torch.arange(s, device=q.device)[None, :]
+        mask = p.window_masks[window] = (kpos <= qpos) & (qpos - kpos < (window or s))
+    g = q.shape[1] // k.shape[1]
+    qf, kf, vf = (x.transpose(0, 1).float() for x in (q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)))
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [H, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1).to(q.dtype)

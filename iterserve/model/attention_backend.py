@@ -13,7 +13,8 @@ test suite checks the GPU path end to end through the real model; `torch` on CUD
 reference to compare a GPU run against.
 
 Both backends expose prepare(meta) once per step (shared by all layers) and
-attend(q, k, v, layer_cache, prepared, scale), which also writes this step's K/V into the cache.
+attend(q, k, v, layer_cache, prepared, scale, window, softcap), which also writes this step's K/V
+into the cache; window (0: none) and softcap (0: none) are the layer's, from ModelArch.
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ class TorchAttention:
     def prepare(self, meta: AttentionMetadata):
         return build_plan(meta, self.block_size, self.dtype, self.workspace, self.use_kernel)
 
-    def attend(self, q, k, v, layer_cache: torch.Tensor, plan, scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, layer_cache, plan, scale)
+    def attend(self, q, k, v, layer_cache: torch.Tensor, plan, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        return paged_attention(q, k, v, layer_cache, plan, scale, window, softcap)
 
 
 class TritonAttention:
@@ -54,9 +56,10 @@ class TritonAttention:
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         return meta  # the kernels read the metadata tensors directly: nothing to precompute
 
-    def attend(self, q, k, v, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         write_kv_triton(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
-        return paged_attention_triton(q, layer_cache[0], layer_cache[1], meta, scale)
+        return paged_attention_triton(q, layer_cache[0], layer_cache[1], meta, scale, window, softcap)
 
 
 def backend_name(device: torch.device) -> str:

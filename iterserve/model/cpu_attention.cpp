@@ -7,6 +7,11 @@
 // (sequence, kv head) pairs as work items; the AVX-512 path whole sequences (attend_seq_avx512), or,
 // when there are fewer sequences than threads, slices of long contexts merged after (decode_avx512).
 //
+// A windowed layer (sliding-window attention) reads only the blocks that reach into each sequence's
+// window: the table and length handed to the per-sequence code start at the block holding the
+// window's first position, and the positions of that block before it (`skip`) are masked.
+// Gemma 2's soft-capping (cap * tanh(score / cap)) is one more pass over the scores.
+//
 // Plain C ABI, no torch headers, so it builds in about a second; OpenMP resolves to the libgomp
 // torch has already loaded, so it shares torch's thread pool instead of starting a second one.
 #include <algorithm>
@@ -22,10 +27,17 @@ constexpr int kMaxHeads = 64;  // query heads, for the AVX-512 path's register t
 constexpr int kMinSlice = 512;  // positions per slice of a split context: shorter ones save less than their merge
 constexpr int kMaxSlices = 64;
 
+// The scores of one head after Q.K: soft-capped, and the first `skip` positions (behind the window) masked.
+inline void cap_and_mask(float* s, int n, int skip, float softcap) {
+    for (int p = 0; p < skip && p < n; ++p) s[p] = -INFINITY;
+    if (softcap > 0.f)
+        for (int p = skip; p < n; ++p) s[p] = softcap * std::tanh(s[p] / softcap);
+}
+
 template <typename T>
 void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
                 T* out, int num_kv_heads, int group, int head_dim, int block_size, float scale, int h,
-                std::vector<float>& scores) {
+                std::vector<float>& scores, int skip, float softcap) {
     const int D = head_dim, G = group;
     const size_t row = size_t(num_kv_heads) * D;  // elements per cache slot
     float qf[kMaxGroup * kMaxHeadDim];
@@ -49,6 +61,13 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
             }
         }
     }
+    if (skip > 0 || softcap > 0.f)
+        for (int g = 0; g < G; ++g) {
+            float* s = scores.data() + size_t(g) * seq_len;
+            cap_and_mask(s, seq_len, skip, softcap);
+            mx[g] = -INFINITY;
+            for (int p = 0; p < seq_len; ++p) mx[g] = s[p] > mx[g] ? s[p] : mx[g];
+        }
     float inv[kMaxGroup];
     for (int g = 0; g < G; ++g) {
         float* s = scores.data() + size_t(g) * seq_len;
@@ -137,7 +156,7 @@ inline void prefetch_l2(const void* p, size_t bytes) {
 template <int D, typename T>
 void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
                        T* out, int num_kv_heads, int G, int block_size, float scale, std::vector<float>& scores,
-                       float* part = nullptr) {
+                       int skip, float softcap, float* part = nullptr) {
     constexpr int C = D / 16;
     const int H = num_kv_heads * G;
     const size_t row = size_t(num_kv_heads) * D;  // elements per cache slot
@@ -169,6 +188,8 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
                 _mm512_storeu_ps(s + size_t(g) * padded + p0, _mm512_mul_ps(reduce16(partial), post_scale));
             }
     }
+    if (skip > 0 || softcap > 0.f)
+        for (int g = 0; g < H; ++g) cap_and_mask(s + size_t(g) * padded, seq_len, skip, softcap);
     const __mmask16 tail = __mmask16((1u << (seq_len & 15)) - 1u);
     float inv[kMaxHeads];
     for (int g = 0; g < H; ++g) {
@@ -280,7 +301,7 @@ struct PromptScratch {
 
 template <int D>
 void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int S, int H, int G, int h, int tile,
-                 float scale, const uint32_t* kt, const uint32_t* vp, std::vector<float>& acc_buf) {
+                 float scale, int window, const uint32_t* kt, const uint32_t* vp, std::vector<float>& acc_buf) {
     constexpr int C = D / 16, P = D / 2;
     const int rows = T - tile * kTile < kTile ? T - tile * kTile : kTile, nq = rows * G;
     acc_buf.assign(size_t(nq) * (D + 2), 0.f);
@@ -290,8 +311,10 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
     for (int i = 0; i < nq; ++i) m[i] = -INFINITY;
     const int first_pos = S - T + tile * kTile;  // absolute position of the tile's first query
     const int num_blocks = (first_pos + rows - 1) / kTile + 1;
+    // a windowed layer starts at the block holding the first query's first visible key
+    const int first_block = window > 0 ? std::max(0, first_pos - window + 1) / kTile : 0;
     alignas(64) uint32_t pairs[4][8];  // this block's probabilities in bf16, two keys per word
-    for (int b = 0; b < num_blocks; ++b) {
+    for (int b = first_block; b < num_blocks; ++b) {
         const uint32_t* kb = kt + size_t(b) * P * 16;
         const uint32_t* vb = vp + size_t(b) * 8 * D;
         for (int i0 = 0; i0 < nq; i0 += 4) {  // 4 query vectors share each K load
@@ -310,8 +333,10 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
             for (int t = 0; t < n; ++t) {
                 const int i = i0 + t, pos = first_pos + i / G;
                 const int valid = pos - b * kTile + 1;  // keys of this block at or before pos
-                if (valid <= 0) { for (int j = 0; j < 8; ++j) pairs[t][j] = 0; continue; }
-                const __mmask16 live = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1u);
+                const int behind = window > 0 ? pos - window + 1 - b * kTile : 0;  // keys before the window
+                if (valid <= 0 || behind >= kTile) { for (int j = 0; j < 8; ++j) pairs[t][j] = 0; continue; }
+                __mmask16 live = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1u);
+                if (behind > 0) live &= __mmask16(~((1u << behind) - 1u));
                 const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(s4[t], _mm512_set1_ps(scale)));
                 const float m_new = std::max(m[i], _mm512_reduce_max_ps(x));
                 const float corr = std::exp(m[i] - m_new);  // 0 on the first block (m = -inf)
@@ -349,7 +374,8 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
 
 template <int D>
 void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* v,
-                      int64_t v_stride, uint16_t* out, int T, int S, int H, int Hkv, float scale, int num_threads) {
+                      int64_t v_stride, uint16_t* out, int T, int S, int H, int Hkv, float scale, int num_threads,
+                      int window) {
     constexpr int P = D / 2;
     const int G = H / Hkv, nkb = (S + kTile - 1) / kTile, ntiles = (T + kTile - 1) / kTile;
     static thread_local PromptScratch<D> scratch;  // reused across layers and steps
@@ -382,7 +408,7 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < Hkv * ntiles; ++item) {  // the longest (last) tiles first
             const int tile = ntiles - 1 - item / Hkv, h = item % Hkv;
-            prompt_tile<D>(q, q_stride, out, T, S, H, G, h, tile, scale, kt + size_t(h) * nkb * P * 16,
+            prompt_tile<D>(q, q_stride, out, T, S, H, G, h, tile, scale, window, kt + size_t(h) * nkb * P * 16,
                            vp + size_t(h) * nkb * 8 * D, acc_buf);
         }
     }
@@ -396,8 +422,8 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
 template <int D, typename T>
 void decode_avx512(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                    int64_t table_stride, const int32_t* seq_lens, T* out, int num_seqs, int H, int num_kv_heads, int block_size,
-                   float scale, int num_threads) {
-    struct Item { int seq, begin, len, part; };  // part: index of its slice buffer, -1 when whole
+                   float scale, int num_threads, int window, float softcap) {
+    struct Item { int seq, begin, len, part, skip; };  // part: index of its slice buffer, -1 when whole
     struct Split { int seq, first_part, num_parts; };
     std::vector<Item> items;
     std::vector<Split> splits;
@@ -405,16 +431,19 @@ void decode_avx512(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
     const int slice_blocks = (kMinSlice + block_size - 1) / block_size;
     int num_parts = 0;
     for (int b = 0; b < num_seqs; ++b) {
-        int slices = num_seqs < num_threads ? (seq_lens[b] + slice_blocks * block_size - 1) / (slice_blocks * block_size) : 1;
+        const int lo = window > 0 ? std::max(0, seq_lens[b] - window) : 0, first = lo / block_size * block_size;
+        const int len = seq_lens[b] - first;  // from the block holding the window's first position
+        int slices = num_seqs < num_threads ? (len + slice_blocks * block_size - 1) / (slice_blocks * block_size) : 1;
         slices = std::min(slices, std::min(num_threads, kMaxSlices));
         if (slices <= 1) {
-            items.push_back({b, 0, seq_lens[b], -1});
+            items.push_back({b, first, len, -1, lo - first});
             continue;
         }
-        const int blocks = (seq_lens[b] + block_size - 1) / block_size, per = (blocks + slices - 1) / slices;
+        const int blocks = (len + block_size - 1) / block_size, per = (blocks + slices - 1) / slices;
         splits.push_back({b, num_parts, 0});
-        for (int begin = 0; begin < seq_lens[b]; begin += per * block_size)
-            items.push_back({b, begin, std::min(per * block_size, seq_lens[b] - begin), num_parts++});
+        for (int begin = first; begin < seq_lens[b]; begin += per * block_size)
+            items.push_back({b, begin, std::min(per * block_size, seq_lens[b] - begin), num_parts++,
+                             begin == first ? lo - first : 0});
         splits.back().num_parts = num_parts - splits.back().first_part;
     }
     const size_t part_size = size_t(H) * (D + 2);
@@ -428,8 +457,8 @@ void decode_avx512(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
             const Item& it = items[i];
             attend_seq_avx512<D, T>(q + it.seq * q_stride, k_cache, v_cache,
                                     block_tables + it.seq * table_stride + it.begin / block_size, it.len,
-                                    out + it.seq * seq_stride, num_kv_heads, G, block_size, scale, scores,
-                                    it.part < 0 ? nullptr : parts.data() + it.part * part_size);
+                                    out + it.seq * seq_stride, num_kv_heads, G, block_size, scale, scores, it.skip,
+                                    softcap, it.part < 0 ? nullptr : parts.data() + it.part * part_size);
         }
     }
     for (const Split& sp : splits)
@@ -440,7 +469,7 @@ void decode_avx512(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
 template <typename T>
 int decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache, const int32_t* block_tables,
            int64_t table_stride, const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
-           int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+           int num_kv_heads, int head_dim, int block_size, float scale, int num_threads, int window, float softcap) {
     const int G = num_heads / num_kv_heads;
     if (head_dim > kMaxHeadDim || G > kMaxGroup || G * num_kv_heads != num_heads) return 1;
     const T* qt = static_cast<const T*>(q);
@@ -452,10 +481,10 @@ int decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_c
     if ((head_dim == 64 || head_dim == 128) && num_heads <= kMaxHeads) {
         if (head_dim == 64)
             decode_avx512<64, T>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
-                                 num_kv_heads, block_size, scale, num_threads);
+                                 num_kv_heads, block_size, scale, num_threads, window, softcap);
         else
             decode_avx512<128, T>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
-                                  num_kv_heads, block_size, scale, num_threads);
+                                  num_kv_heads, block_size, scale, num_threads, window, softcap);
         return 0;
     }
 #endif
@@ -465,8 +494,10 @@ int decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_c
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < num_seqs * num_kv_heads; ++item) {
             const int b = item / num_kv_heads, h = item % num_kv_heads;
-            attend_one<T>(qt + b * q_stride, kc, vc, block_tables + b * table_stride, seq_lens[b],
-                          ot + b * seq_stride, num_kv_heads, G, head_dim, block_size, scale, h, scores);
+            const int lo = window > 0 ? std::max(0, seq_lens[b] - window) : 0, first = lo / block_size;
+            attend_one<T>(qt + b * q_stride, kc, vc, block_tables + b * table_stride + first,
+                          seq_lens[b] - first * block_size, ot + b * seq_stride, num_kv_heads, G, head_dim,
+                          block_size, scale, h, scores, lo - first * block_size, softcap);
         }
     }
     return 0;
@@ -479,17 +510,18 @@ extern "C" {
 // q [num_seqs, num_heads, head_dim] with sequences q_stride elements apart (heads contiguous: a view
 // into the fused qkv rows needs no copy), out the same shape contiguous; k_cache, v_cache
 // [num_blocks, block_size, num_kv_heads, head_dim], contiguous; block_tables [num_seqs, table_stride]
-// int32; seq_lens [num_seqs] int32. Returns 0, or 1 for shapes it does not handle. dtype: 0 float32,
-// 1 bfloat16.
+// int32; seq_lens [num_seqs] int32. window > 0: each query sees only the last `window` positions;
+// softcap > 0: scores = softcap * tanh(scores / softcap). Returns 0, or 1 for shapes it does not
+// handle. dtype: 0 float32, 1 bfloat16.
 int iterserve_decode_attention(int dtype, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                                const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
                                void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                               int block_size, float scale, int num_threads) {
+                               int block_size, float scale, int num_threads, int window, float softcap) {
     if (dtype == 0)
         return decode<float>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
-                             num_kv_heads, head_dim, block_size, scale, num_threads);
+                             num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
     return decode<uint16_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, num_threads);
+                            num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
 }
 
 
@@ -504,11 +536,11 @@ int iterserve_prompt_attention_supported(int dtype, int head_dim) {
 }
 
 // q [T, H, D] with rows q_stride elements apart, k/v [S, Hkv, D] rows k/v_stride apart, out [T, H, D]
-// contiguous; query i sits at position S - T + i and sees keys 0 .. S - T + i. Returns 0, or 1
-// where unsupported (see above).
+// contiguous; query i sits at position S - T + i and sees keys 0 .. S - T + i (window > 0: only the
+// last `window` of them). Returns 0, or 1 where unsupported (see above).
 int iterserve_prompt_attention(int dtype, const void* q, int64_t q_stride, const void* k, int64_t k_stride,
                                const void* v, int64_t v_stride, void* out, int T, int S, int num_heads, int num_kv_heads,
-                               int head_dim, float scale, int num_threads) {
+                               int head_dim, float scale, int num_threads, int window) {
     if (!iterserve_prompt_attention_supported(dtype, head_dim) || num_heads % num_kv_heads || T > S || T < 1)
         return 1;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -516,9 +548,11 @@ int iterserve_prompt_attention(int dtype, const void* q, int64_t q_stride, const
     const auto *kb = static_cast<const uint16_t*>(k), *vb = static_cast<const uint16_t*>(v);
     auto* ob = static_cast<uint16_t*>(out);
     if (head_dim == 64)
-        prompt_attention<64>(qb, q_stride, kb, k_stride, vb, v_stride, ob, T, S, num_heads, num_kv_heads, scale, num_threads);
+        prompt_attention<64>(qb, q_stride, kb, k_stride, vb, v_stride, ob, T, S, num_heads, num_kv_heads, scale, num_threads,
+                             window);
     else
-        prompt_attention<128>(qb, q_stride, kb, k_stride, vb, v_stride, ob, T, S, num_heads, num_kv_heads, scale, num_threads);
+        prompt_attention<128>(qb, q_stride, kb, k_stride, vb, v_stride, ob, T, S, num_heads, num_kv_heads, scale, num_threads,
+                              window);
 #endif
     return 0;
 }

@@ -96,7 +96,7 @@ def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
     builds the portable loops, -mno-avx512bf16 the AVX-512 path without bf16 dot products."""
     lib = _build(SOURCE, [*FLAGS, *extra_flags])
     return _bind(lib, "iterserve_decode_attention",
-                 [_i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32], _i32)
+                 [_i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32, _f32], _i32)
 
 
 @functools.cache
@@ -104,7 +104,7 @@ def prompt_attention_kernel():
     """The causal prompt-attention function (bf16, AVX-512 BF16 builds), or None."""
     lib = _build(SOURCE, FLAGS)
     fn = _bind(lib, "iterserve_prompt_attention",
-               [_i32, _p, _i64, _p, _i64, _p, _i64, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32], _i32)
+               [_i32, _p, _i64, _p, _i64, _p, _i64, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32], _i32)
     supported = _bind(lib, "iterserve_prompt_attention_supported", [_i32, _i32], _i32)
     return (fn, supported) if fn is not None and supported is not None else None
 
@@ -138,9 +138,11 @@ def elementwise_ops(extra_flags: tuple[str, ...] = ()) -> Ops | None:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, num_threads: int, kernel=None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, num_threads: int, kernel=None, window: int = 0,
+                     softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D] (each row's heads contiguous, rows any stride: a view into qkv) -> out [B, H, D]
-    contiguous; caches [num_blocks, block_size, Hkv, D]; tables/lens int32."""
+    contiguous; caches [num_blocks, block_size, Hkv, D]; tables/lens int32. window > 0: each query
+    sees its last `window` positions only; softcap > 0: scores = softcap * tanh(scores / softcap)."""
     fn = kernel or decode_attention_kernel()
     b, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
@@ -150,21 +152,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     out = q.new_empty(b, h, d)
     rc = fn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, scale, num_threads)
+            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, scale, num_threads,
+            window, softcap)
     if rc != 0:
         raise ValueError(f"decode attention kernel: unsupported shape (heads {h}, kv heads {hkv}, head dim {d})")
     return out
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, num_threads: int) -> torch.Tensor:
-    """Causal attention: q [T, H, D] at positions S-T .. S-1, k/v [S, Hkv, D] -> out [T, H, D]. Rows may
-    be strided (views into qkv); each row's heads contiguous. Only where prompt_attention_supported."""
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, num_threads: int,
+                     window: int = 0) -> torch.Tensor:
+    """Causal attention: q [T, H, D] at positions S-T .. S-1, k/v [S, Hkv, D] -> out [T, H, D]; window > 0:
+    each query sees its last `window` positions only. Rows may be strided (views into qkv); each row's
+    heads contiguous. Only where prompt_attention_supported."""
     t, h, d = q.shape
     s, hkv, _ = k.shape
     assert all(x.stride(2) == 1 and x.stride(1) == d for x in (q, k, v)) and v.shape == k.shape
     out = q.new_empty(t, h, d)
     rc = prompt_attention_kernel()[0](DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
-                                      v.data_ptr(), v.stride(0), out.data_ptr(), t, s, h, hkv, d, scale, num_threads)
+                                      v.data_ptr(), v.stride(0), out.data_ptr(), t, s, h, hkv, d, scale, num_threads,
+                                      window)
     if rc != 0:
         raise ValueError(f"prompt attention kernel: unsupported (dtype {q.dtype}, heads {h}/{hkv}, head dim {d}, {t} of {s})")
     return out

@@ -1,8 +1,12 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral; Qwen2 via the q/k/v bias switch) on a flat batch.
+"""The decoder of every supported family (docs/models.md) on a flat batch: one forward, switched by ModelArch.
 
 Every op except attention runs once over all T scheduled tokens of the step. Plain tensors, no
 nn.Module: there is nothing to train, and the per-module call overhead matters at 30 layers x
 small batches. Q/K/V are one matmul and gate/up another (one weight read, one kernel launch each).
+
+What differs between families is resolved here at construction, never per token: a norm a family
+lacks is None and skipped; Gemma's (1 + weight) norms, Granite's residual and logit multipliers
+are folded into the weights; each layer carries its attention window and its rope table.
 """
 from __future__ import annotations
 
@@ -21,28 +25,48 @@ from iterserve.model.quant import Weight, check_supported, linear, pack_float, q
 
 @dataclass(slots=True)
 class LayerWeights:
-    input_norm: torch.Tensor
+    attn_norm: torch.Tensor | None  # before attention (None: OLMo 2)
     qkv: Weight  # [(H + 2 Hkv) * D, hidden]; float (oneDNN-packed on CPU) or int8/int4 (quant.py)
     qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [D] per head or [H * D] whole (ModelArch.qk_norm); None: none
+    k_norm: torch.Tensor | None
     o: Weight
-    post_norm: torch.Tensor
+    attn_out_norm: torch.Tensor | None  # on attention's output (Gemma 2/3, OLMo 2)
+    mlp_norm: torch.Tensor | None  # before the MLP (None: OLMo 2)
     gate_up: Weight  # [2 * intermediate, hidden]
     down: Weight
+    mlp_out_norm: torch.Tensor | None  # on the MLP's output (Gemma 2/3, OLMo 2)
+    window: int  # attention window; 0: the whole context
+    rope: int  # index into LlamaModel.rope_tables
 
 
-def rope_inv_freq(cfg: ModelArch, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse frequencies, with llama3 / linear scaling as transformers computes them."""
+def rope_cos_sin(cfg: ModelArch, n: int, theta: float, scaling: dict | None,
+                 rope_freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [n, D] (rotate-half layout), with linear / llama3 / longrope scaling as
+    transformers computes them. longrope takes the short factors below the original context and the
+    long ones from there, per position (transformers switches a whole sequence once it is longer)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    sc = cfg.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type"))
-    if kind == "linear":
-        inv = inv / sc["factor"]
-    elif kind == "llama3":
-        inv = _llama3_scale(inv, sc)
-    if rope_freqs is not None:  # GGUF stores llama3 scaling as per-frequency divisors
-        inv = inv / rope_freqs.to(torch.float64)
-    return inv.float()
+    base = theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    sc = scaling or {}
+    kind, mscale = sc.get("rope_type", sc.get("type")), 1.0
+    pos = torch.arange(n, dtype=torch.float32)
+    if kind == "longrope":
+        short = (1.0 / (torch.tensor(sc["short_factor"], dtype=torch.float64) * base)).float()
+        long = (1.0 / (torch.tensor(sc["long_factor"], dtype=torch.float64) * base)).float()
+        freqs = torch.where(pos[:, None] < sc["original_max_position_embeddings"],
+                            torch.outer(pos, short), torch.outer(pos, long))
+        mscale = sc["attention_factor"]
+    else:
+        inv = 1.0 / base
+        if kind == "linear":
+            inv = inv / sc["factor"]
+        elif kind == "llama3":
+            inv = _llama3_scale(inv, sc)
+        if rope_freqs is not None:  # GGUF stores llama3 scaling as per-frequency divisors
+            inv = inv / rope_freqs.to(torch.float64)
+        freqs = torch.outer(pos, inv.float())
+    emb = torch.cat([freqs, freqs], dim=-1)  # dim i pairs with i + D/2
+    return emb.cos() * mscale, emb.sin() * mscale
 
 
 def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
@@ -58,14 +82,28 @@ def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, cfg: ModelArch, weights: dict[str, torch.Tensor], block_size: int,
-                 max_positions: int | None = None, quantization: str | None = None):
-        self.cfg, self.block_size = cfg, block_size
+                 max_positions: int | None = None, quantization: str | None = None, tp=None):
+        """tp: a rank's collectives under tensor parallelism (model/sharding.py TensorParallel): cfg and
+        weights are then that rank's shard, and the o/down outputs and the logits cross ranks."""
+        self.cfg, self.block_size, self.tp = cfg, block_size, tp
         w = weights
         self.dtype, self.device = w["model.embed_tokens.weight"].dtype, w["model.embed_tokens.weight"].device
+        n = max_positions or cfg.max_position_embeddings
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
-        self.norm = w["model.norm.weight"]
-        self.layers = [self._layer(w, i) for i in range(cfg.num_layers)]
+        if cfg.logits_multiplier != 1.0:  # Granite divides the logits: the same as dividing the head
+            self.lm_head = self.lm_head * cfg.logits_multiplier
+        # Gemma's embedding scale, rounded to the compute dtype as transformers does; None: 1
+        self.embed_scale = None if cfg.embedding_multiplier == 1.0 else \
+            torch.tensor(cfg.embedding_multiplier, dtype=self.dtype, device=self.device)
+        self.norm = self._norm_weight(w["model.norm.weight"])
+        # a window as long as the longest sequence masks nothing: those layers attend as global ones
+        window = cfg.sliding_window if cfg.sliding_window < n else 0
+        self.rope_tables = [rope_cos_sin(cfg, n, cfg.rope_theta, cfg.rope_scaling, w.get("rope_freqs"))]
+        if cfg.rope_local_theta is not None:
+            self.rope_tables.append(rope_cos_sin(cfg, n, cfg.rope_local_theta, None))
+        self.rope_tables = [(c.to(self.device, self.dtype), s.to(self.device, self.dtype)) for c, s in self.rope_tables]
+        self.layers = [self._layer(w, i, window) for i in range(cfg.num_layers)]
         # the embedding stays a plain tensor for lookups; the LM head (tied or not) is packed apart
         if quantization is not None:
             check_supported(quantization, self.device)
@@ -76,45 +114,65 @@ class LlamaModel:
             for name in ("qkv", "o", "gate_up", "down"):
                 weight = getattr(layer, name)
                 setattr(layer, name, quantize(weight, quantization) if quantization else pack_float(weight))
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.attention = attention_backend(self.device, block_size, self.dtype)  # torch or triton
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        n = max_positions or cfg.max_position_embeddings
-        freqs = torch.outer(torch.arange(n, dtype=torch.float32), rope_inv_freq(cfg, w.get("rope_freqs")))
-        emb = torch.cat([freqs, freqs], dim=-1)  # rotate-half layout: dim i pairs with i + D/2
-        self.cos = emb.cos().to(self.device, self.dtype)
-        self.sin = emb.sin().to(self.device, self.dtype)
         # fused C++ RMSNorm / rotary / silu-and-mul on CPU where they build (cpu_ops.cpp); torch ops otherwise
         self.cpu_ops = self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES and \
             cpu_kernels.elementwise_ops() is not None
+        self.silu = cfg.hidden_act == "silu"  # else gelu_tanh
 
-    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    def _norm_weight(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        return weight if weight is None or not self.cfg.norm_weight_offset else weight + self.cfg.norm_weight_offset
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int, window: int) -> LayerWeights:
         # weights stay [out, in]: a pre-transposed [in, out] copy used as x @ W was no faster on CPU
         # bf16 (measured at 1, 64 and 512 rows, 1 thread); what pays is oneDNN's own layout (pack_float)
-        p = f"model.layers.{i}."
+        cfg, p = self.cfg, f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         bias = None
-        if self.cfg.attention_bias:
+        if cfg.attention_bias:
             bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+        norms = {"pre": ("input_layernorm", None, "post_attention_layernorm", None),
+                 "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                              "post_feedforward_layernorm"),
+                 "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm")}[cfg.norm_placement]
+        attn_norm, attn_out_norm, mlp_norm, mlp_out_norm = (self._norm_weight(w[p + k + ".weight"]) if k else None
+                                                            for k in norms)
+        qk = cfg.qk_norm != "none"
+        o, down = w[a + "o_proj.weight"], w[m + "down_proj.weight"]
+        if cfg.residual_multiplier != 1.0:  # Granite scales each block's output: fold it into the last linear
+            o, down = o * cfg.residual_multiplier, down * cfg.residual_multiplier
+        windowed = window and cfg.sliding_layers[i]
         return LayerWeights(
-            input_norm=w[p + "input_layernorm.weight"],
+            attn_norm=attn_norm,
             qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).contiguous(),
-            qkv_bias=bias, o=w[a + "o_proj.weight"].contiguous(),
-            post_norm=w[p + "post_attention_layernorm.weight"],
+            qkv_bias=bias, q_norm=self._norm_weight(w[a + "q_norm.weight"]) if qk else None,
+            k_norm=self._norm_weight(w[a + "k_norm.weight"]) if qk else None,
+            o=o.contiguous(), attn_out_norm=attn_out_norm, mlp_norm=mlp_norm,
             gate_up=torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]).contiguous(),
-            down=w[m + "down_proj.weight"].contiguous())
+            down=down.contiguous(), mlp_out_norm=mlp_out_norm, window=window if windowed else 0,
+            rope=1 if cfg.rope_local_theta is not None and cfg.sliding_layers and cfg.sliding_layers[i] else 0)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids/positions [T]; kv_cache [L, 2, blocks, block_size, Hkv, D] -> logits [S, vocab] in the
         model's dtype (the sampler widens them where it needs to: a greedy batch takes argmax as is)."""
         plan = self.attention.prepare(attn_metadata)
-        cos_sin = None if self.cpu_ops else (self.cos[positions], self.sin[positions])
+        cos_sin = None if self.cpu_ops else [(c[positions], s[positions]) for c, s in self.rope_tables]
         x, delta = F.embedding(input_ids, self.embed), None
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for i, layer in enumerate(self.layers):
             x, delta = self._layer_forward(x, delta, layer, kv_cache[i], plan, positions, cos_sin)
         h = self._rms_norm(delta.index_select(0, logits_indices), self.norm, x.index_select(0, logits_indices))
-        return linear(h, self.lm_head)
+        logits = linear(h, self.lm_head)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)
+        if self.cfg.final_logit_softcap:
+            cap = self.cfg.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     __call__ = forward
 
@@ -122,17 +180,38 @@ class LlamaModel:
         """x: the residual stream; delta: the last layer's MLP output, not yet added to it (the add is
         fused into this layer's first norm). Returns the same pair for the next layer."""
         t, cfg = x.shape[0], self.cfg
-        h = self._rms_norm(x, layer.input_norm) if delta is None else self._rms_norm(delta, layer.input_norm, x)
+        h = self._add_norm(x, delta, layer.attn_norm)
         qkv = linear(h, layer.qkv, layer.qkv_bias)
-        q, k = self._rotate(qkv, positions, cos_sin)
+        if layer.q_norm is not None:
+            self._qk_norm(qkv, layer)
+        q, k = self._rotate(qkv, positions, cos_sin, layer.rope)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
-        attn = self.attention.attend(q, k, v, layer_cache, plan, self.scale)
-        h = self._rms_norm(linear(attn.reshape(t, self.q_size), layer.o), layer.post_norm, x)
+        attn = self.attention.attend(q, k, v, layer_cache, plan, self.scale, layer.window, cfg.attn_logit_softcap)
+        out = self._reduce(linear(attn.reshape(t, self.q_size), layer.o))
+        if layer.attn_out_norm is not None:
+            out = self._rms_norm(out, layer.attn_out_norm)
+        h = self._add_norm(x, out, layer.mlp_norm)
         gate_up = linear(h, layer.gate_up)
-        if self.cpu_ops:
-            return x, linear(cpu_kernels.silu_mul(gate_up), layer.down)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x, linear(F.silu(gate) * up, layer.down)
+        if self.cpu_ops and self.silu:
+            out = linear(cpu_kernels.silu_mul(gate_up), layer.down)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")
+            out = linear(act * up, layer.down)
+        out = self._reduce(out)
+        if layer.mlp_out_norm is not None:
+            out = self._rms_norm(out, layer.mlp_out_norm)
+        return x, out
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output is one rank's partial sum under tensor parallelism."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None) -> torch.Tensor:
+        """x += delta (when given), then weight * normalize(x), fused; without a weight (OLMo 2), x itself."""
+        if weight is None:
+            return x if delta is None else x.add_(delta)
+        return self._rms_norm(x, weight) if delta is None else self._rms_norm(delta, weight, x)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """weight * normalize(x); with residual: residual += x in place first, and the sum is normalized.
@@ -143,14 +222,23 @@ class LlamaModel:
             x = residual.add_(x)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps).to(x.dtype)
 
-    def _rotate(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def _qk_norm(self, qkv: torch.Tensor, layer: LayerWeights) -> None:
+        """RMSNorm of q and k in place in qkv, before rope: over each head (rows of D) or over all heads."""
+        t, qs, ks = qkv.shape[0], self.q_size, self.kv_size
+        width = self.cfg.head_dim if self.cfg.qk_norm == "head" else None
+        for lo, hi, weight in ((0, qs, layer.q_norm), (qs, qs + ks, layer.k_norm)):
+            part = qkv[:, lo:hi].reshape(-1, width or hi - lo).contiguous()  # a copy: rows of qkv are wider
+            qkv[:, lo:hi] = self._rms_norm(part, weight).view(t, hi - lo)
+
+    def _rotate(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin, table: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary embedding on the q and k heads of qkv [T, (H + 2 Hkv) * D] -> q [T, H, D], k [T, Hkv, D]."""
         t, cfg = qkv.shape[0], self.cfg
         if self.cpu_ops:  # in place, cos/sin looked up per row inside
-            cpu_kernels.rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
+            cos, sin = self.rope_tables[table]
+            cpu_kernels.rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, cos, sin, positions)
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim)
         else:
-            qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim), *cos_sin)
+            qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim), *cos_sin[table])
         return qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
 
 

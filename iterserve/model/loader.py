@@ -1,4 +1,5 @@
-"""Load a Llama-family model from a GGUF file or a Hugging Face directory: config, weights, tokenizer.
+"""Load a model of a supported family (docs/models.md) from a GGUF file or a Hugging Face directory:
+config, weights, tokenizer. Anything else is refused here, by name, before it could be served.
 
 Weights come back as a dict of Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...) so
 the model code knows one naming only. GGUF tensors are dequantized once at load time (gguf's numpy
@@ -9,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,10 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass(slots=True)
 class ModelArch:
-    """The architecture read from config.json or a GGUF header: shapes, and what differs between families."""
+    """The architecture read from config.json or a GGUF header: shapes, and what differs between families.
+
+    Every family is the same decoder with these switches (defaults: Llama's); docs/models.md lists
+    which family sets which. The model resolves them once at construction."""
 
     num_layers: int
     hidden_size: int
@@ -32,13 +37,49 @@ class ModelArch:
     vocab_size: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF style: {"rope_type": "llama3" | "linear", "factor": ..., ...}
+    rope_scaling: dict | None = None  # HF style: {"rope_type": "llama3" | "linear" | "longrope", ...}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    architecture: str = "llama"
+    architecture: str = "llama"  # the family, as HF's model_type names it (GGUF names mapped to these)
+    # "pre": a norm before attention and before the MLP (Llama); "sandwich": also one on each
+    # one's output (Gemma 2/3); "post": only the output norms (OLMo 2)
+    norm_placement: str = "pre"
+    norm_weight_offset: float = 0.0  # Gemma's norms scale by (1 + weight): added to the weights at load
+    qk_norm: str = "none"  # RMSNorm on q and k before rope: "head" (each head: Qwen3, Gemma 3), "full" (OLMo 2)
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh" (Gemma)
+    embedding_multiplier: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
+    residual_multiplier: float = 1.0  # Granite: each block's output is scaled before the residual add
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar; Granite)
+    logits_multiplier: float = 1.0  # Granite: 1 / logits_scaling
+    attn_logit_softcap: float = 0.0  # Gemma 2: scores = cap * tanh(scores / cap); 0 = off
+    final_logit_softcap: float = 0.0  # Gemma 2: the same on the logits
+    sliding_window: int = 0  # a windowed layer's query sees the last `sliding_window` positions; 0 = none
+    sliding_layers: list[bool] = field(default_factory=list)  # per layer: windowed? (empty: none)
+    rope_local_theta: float | None = None  # Gemma 3: the windowed layers' rope base (no scaling)
+
+
+# The families the forward pass implements, by HF model_type: what their config.json leaves implicit.
+FAMILIES: dict[str, dict] = {
+    "llama": {}, "mistral": {}, "qwen2": {"attention_bias": True}, "qwen3": {"qk_norm": "head"},
+    "gemma2": {"norm_placement": "sandwich", "norm_weight_offset": 1.0},
+    "gemma3_text": {"norm_placement": "sandwich", "norm_weight_offset": 1.0, "qk_norm": "head"},
+    "phi3": {}, "olmo2": {"norm_placement": "post", "qk_norm": "full"}, "granite": {},
+}
+# GGUF general.architecture -> family. llama.cpp writes Mistral as "llama".
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
+              "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# Gemma's alternation when a config or GGUF does not list its windowed layers: every Nth layer is global
+_DEFAULT_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+
+
+def _refuse(what: str, name, supported) -> ValueError:
+    return ValueError(f"unsupported {what} {name!r}: iterserve implements {', '.join(supported)} "
+                      "(see docs/models.md)")
 
 
 def default_model_path() -> str:
@@ -68,6 +109,7 @@ def _kind(path: str) -> str:
 # ---------------------------------------------------------------- config
 
 def load_model_arch(path: str) -> ModelArch:
+    """The architecture of a GGUF file or HF directory; a ValueError naming anything it does not implement."""
     return _gguf_config(path) if _kind(path) == "gguf" else _hf_config(path)
 
 
@@ -92,28 +134,71 @@ def _gguf_fields(path: str) -> dict:
     return out
 
 
+def _gguf_tensor(path: str, name: str) -> list[float]:
+    from gguf.quants import dequantize
+    t = next(t for t in _gguf_reader(path).tensors if t.name == name)
+    return dequantize(t.data, t.tensor_type).reshape(-1).tolist()
+
+
 def _gguf_config(path: str) -> ModelArch:
     f = _gguf_fields(path)
     arch = f["general.architecture"]
+    if arch not in GGUF_ARCHS:
+        raise _refuse("GGUF architecture", arch, GGUF_ARCHS)
+    family, names = GGUF_ARCHS[arch], f["_tensor_names"]
     g = lambda key, default=None: f.get(f"{arch}.{key}", default)  # noqa: E731
-    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+    n, hidden, heads = int(g("block_count")), int(g("embedding_length")), int(g("attention.head_count"))
     head_dim = int(g("attention.key_length", g("rope.dimension_count", hidden // heads)))
     vocab = g("vocab_size") or len(_gguf_vocab(path))
-    scaling = None
-    if g("rope.scaling.type") in ("linear",) and g("rope.scaling.factor"):
-        scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
-    eos = f.get("tokenizer.ggml.eos_token_id")
+    window = int(g("attention.sliding_window", 0) or 0)
+    # the tensors say whether there are biases; llama.cpp stores Gemma's norms with the 1 added
+    defaults = {k: v for k, v in FAMILIES[family].items() if k != "attention_bias"} | {"norm_weight_offset": 0.0}
+    gemma = family in _DEFAULT_WINDOW_PATTERN
+    eos = [int(f[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                               "tokenizer.ggml.eom_token_id") if f.get(k) is not None]
     return ModelArch(
-        num_layers=int(g("block_count")), hidden_size=hidden, num_heads=heads,
+        num_layers=n, hidden_size=hidden, num_heads=heads,
         num_kv_heads=int(g("attention.head_count_kv", heads)), head_dim=head_dim,
         intermediate_size=int(g("feed_forward_length")), vocab_size=int(vocab),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        rope_theta=float(g("rope.freq_base", 10000.0)), rope_scaling=_gguf_rope_scaling(path, g, names),
         max_position_embeddings=int(g("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in f["_tensor_names"],
-        attention_bias="blk.0.attn_q.bias" in f["_tensor_names"],
-        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[int(eos)] if eos is not None else [], architecture=arch)
+        tie_word_embeddings="output.weight" not in names, attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"), eos_token_ids=list(dict.fromkeys(eos)),
+        architecture=family, **defaults, hidden_act="gelu_tanh" if gemma else "silu",
+        embedding_multiplier=hidden ** 0.5 if gemma else float(g("embedding_scale", 1.0)),
+        residual_multiplier=float(g("residual_scale", 1.0)), attention_scale=g("attention.scale"),
+        logits_multiplier=1.0 / float(g("logit_scale", 1.0)),
+        attn_logit_softcap=float(g("attn_logit_softcapping", 0.0) or 0.0),
+        final_logit_softcap=float(g("final_logit_softcapping", 0.0) or 0.0),
+        sliding_window=window, sliding_layers=_window_layers(window, g("attention.sliding_window_pattern"), family, n),
+        rope_local_theta=float(g("rope.freq_base_swa", 10000.0)) if family == "gemma3_text" else None)
+
+
+def _gguf_rope_scaling(path: str, g, names: set[str]) -> dict | None:
+    """llama.cpp's scaling keys as HF's rope_scaling; Phi-3's longrope factors are tensors."""
+    kind = g("rope.scaling.type", "none")
+    if "rope_factors_long.weight" in names:
+        return {"rope_type": "longrope", "long_factor": _gguf_tensor(path, "rope_factors_long.weight"),
+                "short_factor": _gguf_tensor(path, "rope_factors_short.weight"),
+                "original_max_position_embeddings": int(g("rope.scaling.original_context_length")),
+                "attention_factor": float(g("rope.scaling.attn_factor", 1.0))}
+    if kind == "linear" and g("rope.scaling.factor"):
+        return {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    if kind not in ("none", "linear"):  # llama3's scaling comes as the rope_freqs tensor, with no type
+        raise _refuse("GGUF rope scaling type", kind, ("none", "linear", "Phi-3 longrope factors"))
+    return None
+
+
+def _window_layers(window: int, pattern, family: str, n: int) -> list[bool]:
+    """Which layers are windowed: a per-layer list, or N (every Nth layer global, as llama.cpp and
+    Gemma count), or the family's default; all layers when the family alternates none."""
+    if not window:
+        return []
+    if isinstance(pattern, (list, tuple)):
+        return [bool(x) for x in pattern]
+    pattern = pattern or _DEFAULT_WINDOW_PATTERN.get(family)
+    return [(i + 1) % pattern != 0 for i in range(n)] if pattern else [True] * n
 
 
 def _gguf_vocab(path: str) -> list:
@@ -122,43 +207,123 @@ def _gguf_vocab(path: str) -> list:
 
 def _hf_config(path: str) -> ModelArch:
     c = json.loads((Path(path) / "config.json").read_text())
-    hidden, heads = c["hidden_size"], c["num_attention_heads"]
-    eos = c.get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-    arch = c.get("model_type", "llama")
-    # transformers >= 5 writes `rope_parameters` (theta included); older configs `rope_theta` + `rope_scaling`
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    theta = c.get("rope_theta") or rope.get("rope_theta") or 10000.0
-    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    family = c.get("model_type")
+    if family not in FAMILIES:
+        raise _refuse("model_type", family, FAMILIES)
+    hidden, heads, n = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
+    for key in ("mlp_bias", "use_bidirectional_attention") + (("attention_bias",) if family != "qwen2" else ()):
+        if c.get(key):
+            raise ValueError(f"unsupported config: {key}={c[key]!r} in {family} (see docs/models.md)")
+    act = c.get("hidden_activation") or c.get("hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise _refuse("activation", act, _ACTIVATIONS)
+    theta, scaling, local_theta = _hf_rope(c)
+    window, layers = _hf_sliding(c, family, n)
+    granite = family == "granite"
+    scale = c.get("attention_multiplier") if granite else None
+    if c.get("query_pre_attn_scalar"):
+        scale = c["query_pre_attn_scalar"] ** -0.5
     return ModelArch(
-        num_layers=c["num_hidden_layers"], hidden_size=hidden, num_heads=heads,
+        num_layers=n, hidden_size=hidden, num_heads=heads,
         num_kv_heads=c.get("num_key_value_heads", heads), head_dim=c.get("head_dim") or hidden // heads,
         intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-        rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 2048),
-        tie_word_embeddings=c.get("tie_word_embeddings", False),
-        attention_bias=c.get("attention_bias", arch == "qwen2"),
-        bos_token_id=c.get("bos_token_id"), eos_token_ids=[int(e) for e in eos_ids], architecture=arch)
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+        max_position_embeddings=c.get("max_position_embeddings", 2048),
+        tie_word_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
+        eos_token_ids=_hf_eos_ids(path, c), architecture=family, **FAMILIES[family], hidden_act=_ACTIVATIONS[act],
+        embedding_multiplier=hidden ** 0.5 if family in _DEFAULT_WINDOW_PATTERN else c.get("embedding_multiplier", 1.0),
+        residual_multiplier=c.get("residual_multiplier", 1.0), attention_scale=scale,
+        logits_multiplier=1.0 / c.get("logits_scaling", 1.0),
+        attn_logit_softcap=c.get("attn_logit_softcapping") or 0.0,
+        final_logit_softcap=c.get("final_logit_softcapping") or 0.0,
+        sliding_window=window, sliding_layers=layers, rope_local_theta=local_theta)
+
+
+def _hf_eos_ids(path: str, c: dict) -> list[int]:
+    """Every EOS id of config.json and generation_config.json (Llama 3 lists several), in order."""
+    gen = Path(path) / "generation_config.json"
+    ids = []
+    for src in (c, json.loads(gen.read_text()) if gen.is_file() else {}):
+        e = src.get("eos_token_id")
+        ids += [int(x) for x in (e if isinstance(e, list) else [e]) if x is not None]
+    return list(dict.fromkeys(ids))
+
+
+def _hf_rope(c: dict) -> tuple[float, dict | None, float | None]:
+    """(theta, scaling or None, the windowed layers' theta or None). transformers >= 5 writes
+    `rope_parameters` (theta included; per layer type for Gemma 3), older configs `rope_theta` +
+    `rope_scaling` (+ `rope_local_base_freq`)."""
+    params = dict(c.get("rope_parameters") or {})
+    local = None
+    if "full_attention" in params:
+        local, params = params.get("sliding_attention"), dict(params["full_attention"])
+    rope = {**(c.get("rope_scaling") or {}), **params}
+    theta = c.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first name for it
+    if kind not in ROPE_TYPES:
+        raise _refuse("rope type", kind, ROPE_TYPES)
+    if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("unsupported config: partial_rotary_factor != 1 (see docs/models.md)")
+    scaling = None if kind == "default" else {**rope, "rope_type": kind}
+    if kind == "longrope":
+        orig = rope.get("original_max_position_embeddings") or c.get("original_max_position_embeddings") \
+            or c["max_position_embeddings"]
+        factor = rope.get("factor") or c["max_position_embeddings"] / orig
+        default_mscale = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
+        scaling.update(original_max_position_embeddings=orig, attention_factor=rope.get("attention_factor") or default_mscale)
+    local_theta = c.get("rope_local_base_freq")
+    if local is not None:
+        if local.get("rope_type", "default") != "default":
+            raise _refuse("rope type of the windowed layers", local["rope_type"], ("default",))
+        local_theta = local.get("rope_theta", 10000.0)
+    return theta, scaling, local_theta
+
+
+def _hf_sliding(c: dict, family: str, n: int) -> tuple[int, list[bool]]:
+    window = int(c.get("sliding_window") or 0)
+    types = c.get("layer_types")
+    if types:
+        unknown = set(types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise _refuse("layer type", sorted(unknown)[0], ("full_attention", "sliding_attention"))
+        layers = [t == "sliding_attention" for t in types]
+    elif family in ("qwen2", "qwen3"):  # their configs window only with use_sliding_window, from max_window_layers on
+        layers = [bool(c.get("use_sliding_window")) and i >= c.get("max_window_layers", 0) for i in range(n)]
+    else:
+        pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern")
+        layers = _window_layers(window, pattern, family, n)
+    return (window, layers) if window and any(layers) else (0, [])
 
 
 # ---------------------------------------------------------------- weights
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
 }
+# where a family's HF names differ: Gemma's ffn_norm is the norm before the MLP, with its own name;
+# Phi-3's ffn_up is gate and up fused
+_GGUF_FAMILY_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+                      "gemma3_text": {"ffn_norm": "pre_feedforward_layernorm"}, "phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
+_GGUF_CONFIG_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}  # read by _gguf_config
+_GGUF_PERMUTED = ("llama", "granite")  # convert_hf_to_gguf permutes Q/K rows only for LlamaModel and its subclasses
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for tensors we do not use."""
+def gguf_to_hf_name(name: str, family: str = "llama") -> str | None:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; None for a tensor we do not know."""
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
+    if len(parts) != 4 or parts[0] != "blk":
+        return None
+    hf = _GGUF_FAMILY_NAMES.get(family, {}).get(parts[2]) or _GGUF_LAYER_NAMES.get(parts[2])
+    return f"model.layers.{parts[1]}.{hf}.{parts[3]}" if hf else None
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -170,18 +335,35 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_weights(path: str, config: ModelArch, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """HF-named tensors, fused ones (Phi-3's qkv_proj, gate_up_proj) split, so the model knows one naming."""
     raw = _gguf_weights(path, config) if _kind(path) == "gguf" else _hf_weights(path)
-    return {k: v.to(device=device, dtype=dtype) for k, v in raw.items()}
+    return {k: v.to(device=device, dtype=dtype) for k, v in _split_fused(raw, config).items()}
+
+
+def _split_fused(w: dict[str, torch.Tensor], cfg: ModelArch) -> dict[str, torch.Tensor]:
+    sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+    for name in [k for k in w if k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
+        fused = w.pop(name)
+        if "qkv_proj" in name:
+            for part, t in zip("qkv", fused.split(sizes)):
+                w[name.replace("qkv_proj", f"{part}_proj")] = t
+        else:  # HF's Phi3MLP: gate first, then up
+            w[name.replace("gate_up_proj", "gate_proj")], w[name.replace("gate_up_proj", "up_proj")] = fused.chunk(2)
+    return w
 
 
 def _gguf_weights(path: str, config: ModelArch) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
-    permuted = config.architecture in ("llama", "mistral")  # only LlamaModel's converter permutes
+    permuted = config.architecture in _GGUF_PERMUTED
     out = {}
     for t in _gguf_reader(path).tensors:
-        name = gguf_to_hf_name(t.name)
-        if name is None:
+        if t.name in _GGUF_CONFIG_TENSORS:
             continue
+        name = gguf_to_hf_name(t.name, config.architecture)
+        if name is None:  # a tensor the forward pass would ignore: its model is not the one we implement
+            raise ValueError(f"unsupported GGUF tensor {t.name!r} in a {config.architecture} model: iterserve "
+                             f"reads {', '.join(sorted(_GGUF_TOP_NAMES))} and blk.N.{{"
+                             f"{', '.join(sorted(_GGUF_LAYER_NAMES))}}} (see docs/models.md)")
         w = dequantize(t.data, t.tensor_type)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
         if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):

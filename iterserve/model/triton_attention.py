@@ -8,7 +8,10 @@ that share the kv head (GQA) and the BLOCK_Q tokens are stacked as the rows of o
 every K/V tile read from memory serves all of them through a matrix product. The program walks the
 request's context BLOCK_N positions at a time (each position's cache block found through the block
 table, so BLOCK_N need not equal the cache block size) with an online softmax in fp32
-(flash-attention), masking by absolute position: query position >= key position.
+(flash-attention), masking by absolute position: query position >= key position, and, in a
+windowed layer, query position - key position < WINDOW (the walk starts at the first tile that
+reaches into the window). SOFTCAP > 0 caps the scores as Gemma 2 does: SOFTCAP * tanh(s / SOFTCAP).
+Both are compile-time constants, so a layer without them runs the same code as before.
 
 Everything that changes from step to step (query_start_loc, seq_lens, block tables, slots) is read
 from device tensors inside the kernels, never passed as a Python int, so one compiled kernel serves
@@ -67,7 +70,8 @@ def _paged_attention_kernel(q, k_cache, v_cache, out, query_start_loc, seq_lens,
                             stride_cb, stride_cs, stride_ch, stride_bt,
                             GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                            BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                            WINDOW: tl.constexpr, SOFTCAP: tl.constexpr):
     b = tl.program_id(0)
     qblk = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -98,7 +102,10 @@ def _paged_attention_kernel(q, k_cache, v_cache, out, query_start_loc, seq_lens,
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], dtype=tl.float32)
     # Causal: no row of this query block sees past its last token's position.
     kv_end = tl.minimum(seq_len, ctx_len + (qblk + 1) * BLOCK_Q)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOW > 0:  # no row of this query block sees behind its first token's window
+        kv_start = tl.maximum(ctx_len + qblk * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(kv_start, kv_end, BLOCK_N):
         kv_pos = start + tl.arange(0, BLOCK_N)
         kv_ok = kv_pos < kv_end
         blk = tl.load(block_tables + b.to(tl.int64) * stride_bt + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0)
@@ -111,7 +118,13 @@ def _paged_attention_kernel(q, k_cache, v_cache, out, query_start_loc, seq_lens,
             v_tile = v_tile.to(tl.float32)
 
         s = tl.dot(q_tile, tl.trans(k_tile), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where((q_pos[:, None] >= kv_pos[None, :]) & kv_ok[None, :], s, float("-inf"))
+        if SOFTCAP > 0:  # on the natural-log scale: cap * tanh(x / cap), tanh(y) = 1 - 2 / (e^(2y) + 1)
+            y = s * (0.6931471805599453 / SOFTCAP)
+            s = SOFTCAP * 1.4426950408889634 * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+        visible = (q_pos[:, None] >= kv_pos[None, :]) & kv_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (q_pos[:, None] - kv_pos[None, :] < WINDOW)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -158,8 +171,9 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache_layer: torch
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache_layer: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D] (this step's K/V already written) -> out [T, H, D], causal over each request's context."""
+                           meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q [T, H, D] (this step's K/V already written) -> out [T, H, D], causal over each request's context;
+    window > 0: each query sees its last `window` positions only; softcap > 0: Gemma 2's score capping."""
     _, attn_kernel = _kernels()
     t, num_heads, dim = q.shape
     num_kv_heads = k_cache_layer.shape[2]
@@ -183,5 +197,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache_layer: torch.Tensor, v_cache
                       meta.block_tables.stride(0),
                       GROUP=group, GROUP_P=group_p, HEAD_DIM=dim, BLOCK_D=_next_pow2(dim),
                       BLOCK_Q=block_q, BLOCK_N=BLOCK_N, BLOCK_SIZE=k_cache_layer.shape[1],
-                      DOT_PRECISION=precision, UPCAST=_interpreting() and q.dtype == torch.bfloat16)
+                      DOT_PRECISION=precision, UPCAST=_interpreting() and q.dtype == torch.bfloat16,
+                      WINDOW=window, SOFTCAP=float(softcap))
     return out
