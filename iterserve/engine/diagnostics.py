@@ -313,15 +313,23 @@ class Diagnostics:
         # arrivals: those that started in the window plus the queue's growth (the rest are still queued)
         arriving = max(served, len(w.started) / w.duration) + growth / w.duration
         running = sum(s.num_running for s in w.steps) / len(w.steps)
+        kv = sum(s.kv_usage for s in w.steps) / len(w.steps)
         replicas = math.ceil(arriving / served) if served > 0 else None
-        more = f"about {replicas} replicas in all" if replicas else "more replicas"
+        knobs = {"replicas": replicas} if replicas else {}
+        fix = f"serve with about {replicas} replicas in all" if replicas else "add replicas"
+        if running >= 0.9 * c.max_num_seqs and kv < 0.8 and w.finished:  # the seats, not the pool, are the limit
+            seats = min(math.ceil(c.max_num_seqs * arriving / max(served, 1e-9)),
+                        int(c.pool_tokens * (1 - c.watermark) // kv_tokens_per_request(w.finished)))
+            if seats > c.max_num_seqs:
+                knobs["max-num-seqs"] = seats
+                fix = f"raise --max-num-seqs to {seats} (the KV pool is {kv:.0%} used; mind TPOT), or " + fix
         msg = (f"the waiting queue grew by {growth} requests in the last {_span(w)} (to {q[-1]}): requests arrive at "
                f"~{arriving:.2f}/s but finish at {served:.2f}/s with ~{running:.0f} of {c.max_num_seqs} seats in "
-               f"use; the engine is overloaded: serve with {more}, or bound the queue with --max-waiting-requests "
-               f"so clients get a fast 503 instead of a slow answer")
-        return [Diagnostic("overload", msg, {"replicas": replicas} if replicas else {},
+               f"use; the engine is overloaded: {fix}, or bound the queue with --max-waiting-requests so clients "
+               f"get a fast 503 instead of a slow answer")
+        return [Diagnostic("overload", msg, knobs,
                            {"queue_growth": growth, "queue": q[-1], "arrival_rps": arriving, "finish_rps": served,
-                            "mean_running": running})]
+                            "mean_running": running, "mean_kv_usage": kv})]
 
     def _prefix_hits(self, w: Window) -> list[Diagnostic]:
         t = self.thresholds

@@ -28,9 +28,11 @@ def trace_of(w: Window) -> Trace:
                  meta={"seed": 0, "source": "diagnostics window"})
 
 
-def seat_candidates(max_num_seqs: int) -> list[int]:
-    """Fewer seats than today (a TPOT past the knee of the step-time curve), down to 1."""
-    return sorted({max(1, max_num_seqs * k // 8) for k in range(1, 9)} | {1, 2, 4})
+def seat_candidates(max_num_seqs: int, more: bool) -> list[int]:
+    """Fewer seats than today, down to 1 (a TPOT past the knee of the step-time curve); with `more`, up to 4x
+    too (a TTFT missed because requests queue for seats)."""
+    fewer = {max(1, max_num_seqs * k // 8) for k in range(1, 9)} | {1, 2, 4}
+    return sorted(fewer | ({max_num_seqs * 2, max_num_seqs * 4} if more else set()))
 
 
 class SimulatorWhatIf:
@@ -51,7 +53,7 @@ class SimulatorWhatIf:
         base = {**self.base, "num_kv_blocks": capacity.num_kv_blocks, "block_size": capacity.block_size}
         trace = trace_of(window)
         points = search(trace, self.model, self.hardware, BenchSlo(slo.ttft, slo.tpot),
-                        seat_candidates(capacity.max_num_seqs), budgets, base)
+                        seat_candidates(capacity.max_num_seqs, more=slo.ttft is not None), budgets, base)
         # Met as the diagnostic measures it, with room: fewer than half the allowed share over the SLO.
         ok = [p for p in points if 1 - p.met_share < self.thresholds.slo_violation_share / 2]
         best = max(ok, key=lambda p: (p.goodput_rps, p.max_num_seqs)) if ok else points[0]

@@ -92,6 +92,11 @@ def test_overload_fires_and_the_recommended_replicas_clear_it():
     # each replica gets 1/replicas of the traffic
     fine, _, _ = drive(base, trace(240 // replicas, 64, 64, rate / replicas, seed=1))
     assert "overload" not in fine
+    # or, since the seats (not the KV pool) are the limit here, one replica with more seats takes it all
+    seats = d.knobs["max-num-seqs"]
+    assert seats > 4 and f"raise --max-num-seqs to {seats}" in d.message
+    wider, _, _ = drive({**base, "max_num_seqs": seats}, trace(240, 64, 64, rate))
+    assert "overload" not in wider
 
 
 def test_tpot_slo_missed_fires_with_a_simulated_max_num_seqs_that_meets_it():
@@ -151,3 +156,24 @@ def test_the_engine_thread_work_is_two_appends():
         diag.on_step(engine.stats, outputs)
     w = diag.window()
     assert len(w.steps) == 8 and len(w.finished) == 4
+
+
+def test_ttft_slo_missed_for_want_of_seats_gets_more_seats_that_meet_it():
+    base = {"max_num_seqs": 4, "num_kv_blocks": 4096}
+    tr = trace(160, 64, 64, 12.0)
+    fired, _, _ = drive(base, tr, Slo(ttft=0.5), every=2.0)
+    d = fired["slo_ttft"]
+    assert d.observed["p90"] > 0.5 and d.observed["whatif"]["met"], d.message
+    seqs = d.knobs["max-num-seqs"]
+    assert seqs > 4
+    fixed, _, _ = drive({**base, "max_num_seqs": seqs, "max_num_batched_tokens": d.knobs["max-num-batched-tokens"]},
+                        tr, Slo(ttft=0.5), every=2.0)
+    assert "slo_ttft" not in fixed and "overload" not in fixed
+
+
+def test_a_ttft_slo_no_setting_can_meet_says_so():
+    """Far past capacity, with the KV pool full too: no seat count or token budget helps; the what-if says so."""
+    fired, _, _ = drive({"max_num_seqs": 8, "num_kv_blocks": 48}, trace(60, 64, 64, 40.0), Slo(ttft=0.2), every=2.0)
+    d = fired["slo_ttft"]
+    assert d.observed["p90"] > 0.2 and d.observed["whatif"]["met"] is False
+    assert "no setting meets it at this load" in d.message and "add replicas" in d.message
