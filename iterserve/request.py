@@ -68,7 +68,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     times: RequestTimes
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
@@ -78,10 +78,6 @@ class Request:
     num_preemptions: int = 0
     arrival_seq: int = 0  # tie-breaker for FCFS order, set by the scheduler
     stop_reason: int | str | None = None
-    # parallel sampling (n > 1): the parent computes the prompt but its last token, then forks
-    forks: list["Request"] = field(default_factory=list)  # children still to fork off this request
-    index: int = 0  # which of the n sequences this is
-    parent_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,6 +1,7 @@
 """A deterministic executor for scheduler and engine tests: no model, checks the plan it gets."""
 from __future__ import annotations
 
+from iterserve.executor.base import KVCacheSpec
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 
 
@@ -9,13 +10,15 @@ class FakeExecutor:
     so outputs are identical however requests are batched, chunked or preempted."""
 
     def __init__(self, num_kv_blocks: int = 64, max_model_len: int = 4096, vocab_size: int = 1000,
-                 eos_token_id: int | None = None, block_size: int = 16, num_host_blocks: int = 0) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), block_size: int = 16, num_host_blocks: int = 0,
+                 swap_bytes_per_s: float = 1e9, recompute_tokens_per_s: float = 1000.0) -> None:
+        # One layer, one head of one int8 value: a block is 2 * block_size bytes; only the costs matter.
+        self.kv_cache_spec = KVCacheSpec(block_size, num_kv_blocks, num_host_blocks, 1, 1, 1, "int8",
+                                         swap_bytes_per_s, recompute_tokens_per_s)
         self.num_kv_blocks = num_kv_blocks
-        self.num_host_blocks = num_host_blocks
-        self.bytes_per_block = 1000
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = None
         self.block_size = block_size
         self.plans: list[SchedulerOutput] = []
@@ -28,7 +31,6 @@ class FakeExecutor:
         assert not (plan.swap_out and plan.swap_in), "one step never swaps both ways"
         self._copy(plan.swap_out, self.cache, self.host_cache)
         self._copy(plan.swap_in, self.host_cache, self.cache)
-        self._copy(plan.copy_blocks, self.cache, self.cache)
         sampled = []
         for s in plan.scheduled:
             slots = s.slot_mapping(plan.block_size)
@@ -39,6 +41,9 @@ class FakeExecutor:
             last = s.token_ids[-1]
             sampled.append((last * 31 + s.seq_len) % self.vocab_size if s.sample and not s.is_padding else -1)
         return StepResult(sampled=sampled, step_time=0.0)
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
 
     def read_context(self, block_table: list[int], num_tokens: int) -> list[int | None]:
         bs = self.block_size

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 
 from iterserve.bench.metrics import Slo
-from iterserve.bench.runner import build_report, format_table, run_targets, shared_model_engines
+from iterserve.bench.runner import build_report, check_targets, format_table, run_targets, shared_model_engines
+from iterserve.entrypoints.args import HelpFormatter, add_engine_args, config_from_args, fail
 from iterserve.bench.workload import (OUTPUT_DISTS, PROMPT_DISTS, SHAREGPT_OUTPUT_MEAN, SHAREGPT_PROMPT_MEAN,
                                       LengthDist, Trace, make_trace)
 
@@ -17,53 +19,56 @@ SWEEPABLE = ("max-num-seqs", "request-rate", "concurrency")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="iterserve bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="iterserve bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--targets", default="continuous,static",
                    help="comma list of continuous, static, hf-static, http:URL (ratios are to the first); an "
                    "engine target takes engine flags after '+', e.g. continuous+no-prefix-caching, "
                    "continuous+preemption-mode=swap+num-kv-blocks=64")
+    add_workload_args(p)
+    add_engine_args(p, exclude={"seed", "scheduling"})  # --seed seeds both; the target picks the scheduling
+    add_slo_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, help="write every figure to this path")
+    o.add_argument("--plot", default=None, help="write PNG plots to this directory (needs iterserve[bench])")
+    o.add_argument("--sweep", default=None, help=f"NAME=v1,v2,... with NAME in {', '.join(SWEEPABLE)}")
+    o.add_argument("--http-model", default=None, help="model name for http targets (default: first of /v1/models)")
+    o.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer key for http targets (default: env OPENAI_API_KEY)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--num-requests", type=int, default=128)
+    w.add_argument("--num-requests", type=int, default=128, help="requests in the trace")
     w.add_argument("--prompt-len", type=int, default=None, help="prompt length, or its mean (default 128; "
                    f"{SHAREGPT_PROMPT_MEAN} for lognormal)")
-    w.add_argument("--prompt-dist", choices=PROMPT_DISTS, default="fixed")
-    w.add_argument("--prompt-min", type=int, default=1)
-    w.add_argument("--prompt-max", type=int, default=None)
-    w.add_argument("--output-dist", choices=OUTPUT_DISTS, default="exponential")
+    w.add_argument("--prompt-dist", choices=PROMPT_DISTS, default="fixed", help="prompt length distribution")
+    w.add_argument("--prompt-min", type=int, default=1, help="shortest prompt")
+    w.add_argument("--prompt-max", type=int, default=None, help="longest prompt (default: none)")
+    w.add_argument("--output-dist", choices=OUTPUT_DISTS, default="exponential", help="output length distribution")
     w.add_argument("--output-mean", type=float, default=None,
                    help=f"mean output length (default 128; {SHAREGPT_OUTPUT_MEAN} for lognormal and mix chat)")
-    w.add_argument("--output-min", type=int, default=1)
+    w.add_argument("--output-min", type=int, default=1, help="shortest output")
     w.add_argument("--output-max", type=int, default=512, help="cap (exponential, lognormal, mix); upper bound (uniform)")
     w.add_argument("--sigma", type=float, default=None, help="lognormal shape (default: ShareGPT-like 0.9)")
     w.add_argument("--mix-fraction", type=float, default=0.5, help="mix: share of 1-8 token classification requests")
-    w.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson; Gamma with --burstiness)")
+    w.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson; Gamma with --burstiness); "
+                   "default: all at once")
     w.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape: < 1 burstier than Poisson")
     w.add_argument("--concurrency", type=int, default=None, help="closed loop: keep C requests in flight")
     w.add_argument("--shared-prefix-len", type=int, default=0,
                    help="every prompt starts with the same N tokens (a system prompt; prefix caching)")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="seeds the trace and the engine")
     w.add_argument("--trace", default=None, help="replay this JSONL trace instead of generating one")
     w.add_argument("--save-trace", default=None, help="write the trace (with its prompt token ids) to JSONL")
-    e = p.add_argument_group("engine (the same for continuous and static)")
-    e.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--max-num-seqs", type=int, default=32)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB (ignored with --num-kv-blocks)")
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--num-threads", type=int, default=None)
-    o = p.add_argument_group("output")
-    o.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, seconds")
-    o.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, seconds")
-    o.add_argument("--slo-e2e", type=float, default=None, help="goodput SLO on end-to-end latency, seconds")
-    o.add_argument("--json", default=None, help="write every figure to this path")
-    o.add_argument("--plot", default=None, help="write PNG plots to this directory")
-    o.add_argument("--sweep", default=None, help=f"NAME=v1,v2,... with NAME in {', '.join(SWEEPABLE)}")
-    o.add_argument("--http-model", default=None, help="model name for http targets (default: first of /v1/models)")
-    o.add_argument("--no-progress", action="store_true")
-    return p
+
+
+def add_slo_args(p: argparse.ArgumentParser, seconds=float) -> None:
+    o = p.add_argument_group("SLOs (goodput counts the requests that meet all given)")
+    o.add_argument("--slo-ttft", type=seconds, default=None, help="on TTFT, seconds")
+    o.add_argument("--slo-tpot", type=seconds, default=None, help="on TPOT, seconds")
+    o.add_argument("--slo-e2e", type=seconds, default=None, help="on end-to-end latency, seconds")
 
 
 def trace_from_args(args: argparse.Namespace) -> Trace:
@@ -92,20 +97,14 @@ def _sigma(args: argparse.Namespace) -> dict:
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
-    kw = {"model": args.model, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs, "seed": args.seed}
-    optional = {"max_num_batched_tokens": args.max_num_batched_tokens, "num_kv_blocks": args.num_kv_blocks,
-                "kv_cache_memory": args.kv_cache_memory, "block_size": args.block_size,
-                "num_threads": args.num_threads}
-    kw.update({k: v for k, v in optional.items() if v is not None})
-    if args.no_prefix_caching:
-        kw["enable_prefix_caching"] = False
-    return kw
+    """Every engine setting the flags give (validated now: a bad value is one line, not a traceback)."""
+    return config_from_args(args, seed=args.seed).flat()
 
 
 def parse_sweep(text: str) -> tuple[str, list[float]]:
     name, _, values = text.partition("=")
     if name not in SWEEPABLE or not values:
-        raise SystemExit(f"--sweep wants NAME=v1,v2,... with NAME in {SWEEPABLE}, got {text!r}")
+        raise ValueError(f"--sweep wants NAME=v1,v2,... with NAME in {SWEEPABLE}, got {text!r}")
     return name, [float(v) for v in values.split(",")]
 
 
@@ -124,7 +123,15 @@ def format_sweep(name: str, points: list[tuple[float, dict]]) -> str:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args, argv)
+    except (ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    check_targets(targets)
     slo = Slo(args.slo_ttft, args.slo_tpot, args.slo_e2e)
     progress = not args.no_progress
     print(f"$ iterserve bench {shlex.join(argv)}")
@@ -132,7 +139,7 @@ def main(argv: list[str]) -> int:
         return _sweep(args, targets, slo, progress)
     trace = trace_from_args(args)
     kw = engine_kwargs_from_args(args)
-    results = run_targets(trace, targets, kw, progress, http_model=args.http_model)
+    results = run_targets(trace, targets, kw, progress, http_model=args.http_model, api_key=args.api_key)
     if args.save_trace:
         trace.save(args.save_trace)
     report = build_report(_config(args, trace, kw), results, slo)
@@ -154,7 +161,7 @@ def _sweep(args: argparse.Namespace, targets: list[str], slo: Slo, progress: boo
         attr = name.replace("-", "_")
         setattr(args, attr, int(value) if name != "request-rate" else value)
         trace, kw = trace_from_args(args), engine_kwargs_from_args(args)
-        results = run_targets(trace, targets, kw, progress, factory, http_model=args.http_model)
+        results = run_targets(trace, targets, kw, progress, factory, http_model=args.http_model, api_key=args.api_key)
         report = build_report(_config(args, trace, kw), results, slo)
         points.append((value, report))
         flat += [{**t, "sweep": {name: value}} for t in report["targets"]]

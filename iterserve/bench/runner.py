@@ -24,9 +24,6 @@ from iterserve.request import RequestTimes
 from iterserve.sampling_params import SamplingParams
 
 ENGINE_TARGETS = ("continuous", "static")
-# The EngineConfig fields the ModelRunner reads: engines differing only elsewhere share one.
-RUNNER_FIELDS = ("model", "dtype", "device", "quantization", "block_size", "num_kv_blocks", "kv_cache_memory",
-                 "swap_space", "max_model_len", "num_threads", "use_cuda_graphs", "gpu_memory_utilization")
 
 
 def _params(r: TraceRequest) -> SamplingParams:
@@ -55,7 +52,7 @@ def run_trace(engine, trace: Trace, name: str = "engine", progress: bool = False
     clock, advance = engine.clock, _advance_fn(engine.clock)
     pending = deque(sorted(trace.requests, key=lambda r: r.arrival_time))  # stable: ties keep trace order
     by_id = {r.request_id: r for r in trace.requests}
-    first_preemptions = engine.num_preemptions
+    first_preemptions = engine.stats.num_preemptions
     done: dict[str, RequestMetrics] = {}
     in_flight = 0
     bar = _progress(len(trace), name, progress)
@@ -93,7 +90,7 @@ def run_trace(engine, trace: Trace, name: str = "engine", progress: bool = False
     # step_records is a bounded deque: select this run's steps by time, not by index
     steps = [dataclasses.replace(s, start=s.start - t0, end=s.end - t0) for s in engine.step_records if s.start >= t0]
     return TargetResult(name, [done[r.request_id] for r in trace.requests if r.request_id in done], end, steps,
-                        engine.num_preemptions - first_preemptions)
+                        engine.stats.num_preemptions - first_preemptions)
 
 
 def warmup(engine, trace: Trace) -> None:
@@ -108,8 +105,7 @@ def warmup(engine, trace: Trace) -> None:
 
 
 def engine_block_size(engine) -> int:
-    config = getattr(engine, "config", None)
-    return getattr(config, "block_size", 16)
+    return engine.config.cache_config.block_size
 
 
 def shared_model_engines() -> Callable[[str, dict], object]:
@@ -124,7 +120,7 @@ def shared_model_engines() -> Callable[[str, dict], object]:
 
     def make(scheduling: str, engine_kwargs: dict) -> Engine:
         config = EngineConfig(**{**engine_kwargs, "scheduling": scheduling})
-        key = repr([getattr(config, f) for f in RUNNER_FIELDS])  # a sweep over seats keeps the model
+        key = ModelRunner.config_key(config)  # a sweep over seats keeps the model
         if key not in runners:
             runners.clear()  # free the previous model before loading the next
             gc.collect()
@@ -140,11 +136,9 @@ def run_engine_target(trace: Trace, scheduling: str, engine_kwargs: dict, progre
     if _advance_fn(engine.clock) is None:
         warmup(engine, trace)
     result = run_trace(engine, trace, scheduling, progress)
-    config = getattr(engine, "config", None)
-    executor = getattr(engine, "executor", None)
-    result.extra = {"max_num_seqs": getattr(config, "max_num_seqs", None),
-                    "num_kv_blocks": getattr(executor, "num_kv_blocks", None),
-                    "dtype": str(getattr(executor, "dtype", getattr(config, "dtype", "")))}
+    result.extra = {"max_num_seqs": engine.config.scheduler_config.max_num_seqs,
+                    "num_kv_blocks": engine.stats.num_kv_blocks,
+                    "dtype": engine.executor.kv_cache_spec.dtype}
     del engine
     gc.collect()
     return result
@@ -293,12 +287,14 @@ async def _http_request(client, url: str, model: str, r: TraceRequest, t0: float
     return m
 
 
-async def _http_run(trace: Trace, url: str, model: str | None, progress: bool, transport=None) -> TargetResult:
+async def _http_run(trace: Trace, url: str, model: str | None, progress: bool, transport=None,
+                    api_key: str | None = None) -> TargetResult:
     import httpx
     limit = trace.concurrency
     sem = asyncio.Semaphore(limit) if limit else None
     bar = _progress(len(trace), "http", progress)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), transport=transport,
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), transport=transport, headers=headers,
                                  limits=httpx.Limits(max_connections=limit or len(trace))) as client:
         model = model or await _http_model(client, url)
         t0 = time.monotonic()
@@ -322,20 +318,21 @@ async def _http_run(trace: Trace, url: str, model: str | None, progress: bool, t
 
 
 def run_http(trace: Trace, url: str, model: str | None = None, progress: bool = False,
-             tokenizer=None, transport=None) -> TargetResult:
+             tokenizer=None, transport=None, api_key: str | None = None) -> TargetResult:
     if any(r.prompt_token_ids is None for r in trace.requests):
         materialize_prompts(trace, tokenizer)
-    return asyncio.run(_http_run(trace, url, model, progress, transport))
+    return asyncio.run(_http_run(trace, url, model, progress, transport, api_key))
 
 
 # ---------------------------------------------------------------- several targets, one report
 
 def run_targets(trace: Trace, targets: list[str], engine_kwargs: dict | None = None, progress: bool = False,
                 engine_factory: Callable[[str, dict], object] | None = None,
-                http_model: str | None = None) -> list[TargetResult]:
+                http_model: str | None = None, api_key: str | None = None) -> list[TargetResult]:
     """Run the same trace through each target in turn. Prompts are materialized once, with the
     model's tokenizer, so every target sees identical token ids."""
     engine_kwargs = dict(engine_kwargs or {})
+    check_targets(targets)
     if any(r.prompt_token_ids is None for r in trace.requests):
         tokenizer = None
         if engine_factory is None or getattr(engine_factory, "loads_model", False):
@@ -354,18 +351,26 @@ def run_targets(trace: Trace, targets: list[str], engine_kwargs: dict | None = N
             results.append(run_hf_static(trace, engine_kwargs.get("max_num_seqs", 64), engine_kwargs.get("model"),
                                          engine_kwargs.get("dtype", "auto"), progress))
         elif target.startswith(("http:", "https:")):
-            results.append(run_http(trace, parse_http_target(target), http_model, progress))
-        else:
-            raise ValueError(f"unknown target {target!r}: use continuous, static, hf-static or http:URL")
+            results.append(run_http(trace, parse_http_target(target), http_model, progress, api_key=api_key))
         gc.collect()
     return results
+
+
+def check_targets(targets: list[str]) -> None:
+    """Every target understood before anything runs (a typo must not cost a model load)."""
+    if not targets:
+        raise ValueError("no targets given")
+    for target in targets:
+        base, _ = parse_engine_target(target)
+        if base not in (*ENGINE_TARGETS, "hf-static") and not target.startswith(("http:", "https:")):
+            raise ValueError(f"unknown target {target!r}: use continuous, static, hf-static or http:URL")
 
 
 def parse_engine_target(target: str) -> tuple[str, dict]:
     """'continuous+no-prefix-caching+num-kv-blocks=64' -> ('continuous', {...EngineConfig fields})."""
     if target.startswith(("http:", "https:")) or "+" not in target:
         return target, {}
-    from iterserve.config import EngineConfig
+    from iterserve.config import FIELD_NAMES
     base, *flags = target.split("+")
     overrides = {}
     for flag in flags:
@@ -377,7 +382,7 @@ def parse_engine_target(target: str) -> tuple[str, dict]:
             parsed = True
         else:
             parsed = _parse_value(value)
-        if key not in EngineConfig.field_names():
+        if key not in FIELD_NAMES:
             raise ValueError(f"unknown engine flag {name!r} in target {target!r}")
         overrides[key] = parsed
     return base, overrides

@@ -1,4 +1,9 @@
-"""The step loop: schedule -> execute -> update, plus tokenization and per-request text."""
+"""The step loop: schedule -> execute -> update, plus tokenization, per-request text and n > 1.
+
+n > 1 lives here, at the front (as vLLM's ParentRequest does): a request for n sequences becomes n
+child requests with the same prompt, which share its KV blocks through the prefix cache and the
+in-flight-prefix wait, so the scheduler and the KV manager never see a parent.
+"""
 from __future__ import annotations
 
 import logging
@@ -10,9 +15,11 @@ from typing import Callable
 
 from iterserve.config import EngineConfig
 from iterserve.engine.detokenizer import Detokenizer
+from iterserve.engine.stats import EngineStats
+from iterserve.executor.base import Executor, ExecutorDeadError, check_executor
 from iterserve.outputs import RequestOutput, StepRecord
 from iterserve.request import Request, RequestStatus, RequestTimes
-from iterserve.sampling_params import MAX_N, SamplingParams
+from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import StepResult, TokenLogprobs
 from iterserve.scheduler.scheduler import Scheduler
 
@@ -22,67 +29,98 @@ logger = logging.getLogger("iterserve.engine")
 @dataclass(slots=True)
 class _TextState:
     detokenizer: Detokenizer | None
+    index: int = 0  # which of its parent's n sequences
+    parent_id: str | None = None
+    n: int = 1  # its parent's number of sequences
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_tokens_sent: int = 0
 
 
+def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel_config.tensor_parallel_size > 1:
+        from iterserve.executor.tp_executor import TPExecutor
+        return TPExecutor(config)
+    from iterserve.executor.model_runner import ModelRunner
+    return ModelRunner(config)
+
+
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, executor=None,
+    def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or EngineConfig()
-        if executor is None:
-            from iterserve.executor.model_runner import ModelRunner
-            executor = ModelRunner(self.config)
-        self.executor = executor
+        self.executor = executor if executor is not None else make_executor(self.config)
+        check_executor(self.executor)
         self.clock = clock
-        self.tokenizer = getattr(executor, "tokenizer", None)
-        self.eos_token_id = getattr(executor, "eos_token_id", None)
-        self.vocab_size = getattr(executor, "vocab_size", None) or \
-            getattr(getattr(executor, "arch", None), "vocab_size", None)
-        # config.num_kv_blocks may cap a shared executor's pool (tests, what-if runs)
-        num_blocks = min(executor.num_kv_blocks, self.config.num_kv_blocks or executor.num_kv_blocks)
-        self.scheduler = Scheduler(self.config, num_blocks, executor.max_model_len, clock,
-                                   num_host_blocks=getattr(executor, "num_host_blocks", 0),
-                                   bytes_per_block=getattr(executor, "bytes_per_block", 0))
+        self.tokenizer = self.executor.tokenizer
+        self.eos_token_ids = self.executor.eos_token_ids
+        self.vocab_size = self.executor.vocab_size
+        spec = self.executor.kv_cache_spec
+        if self.config.cache_config.num_kv_blocks:  # may cap a shared executor's pool (tests, what-if runs)
+            spec = replace(spec, num_device_blocks=min(spec.num_device_blocks, self.config.cache_config.num_kv_blocks))
+        if self.config.scheduler_config.preemption_mode == "auto" and spec.num_host_blocks and \
+                min(spec.swap_bytes_per_s, spec.recompute_tokens_per_s) <= 0:
+            raise ValueError(f"--preemption-mode auto weighs swap against recompute, but "
+                             f"{type(self.executor).__name__} reports no cost for them (its KVCacheSpec)")
+        self.scheduler = Scheduler(self.config, spec, self.executor.max_model_len, clock)
+        asked = self.config.model_config.max_model_len
+        if asked is not None and self.scheduler.max_model_len < asked:
+            raise ValueError(f"max_model_len {asked} does not fit the KV pool, which holds "
+                             f"{self.scheduler.max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len")
         self.states: dict[str, _TextState] = {}
+        self.parents: dict[str, list[str]] = {}  # n > 1: parent id -> its unfinished children's ids
         self.step_records: deque[StepRecord] = deque(maxlen=200_000)
         self.num_steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    @property
+    def stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.scheduler.kv
+        return EngineStats(len(s.running), len(s.waiting), len(s.swapped), kv.usage, kv.num_blocks,
+                           kv.pool.num_free_blocks, s.num_preemptions, kv.num_prefix_queries, kv.num_prefix_hits,
+                           self.num_steps, s.max_model_len, self.step_records[-1] if self.step_records else None)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
                     priority: int = 0, cache_salt: str | None = None) -> str:
+        """Queue a request; returns its id. With n > 1 its outputs carry that id as parent_id."""
         params = params or SamplingParams()
         params.validate()
         token_ids = self.encode(prompt)
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary (0..{self.vocab_size - 1})")
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self.parents or request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
         arrival = self.clock() if arrival_time is None else arrival_time
-        sequences = [Request(self.sequence_id(request_id, k), token_ids, self._sequence_params(params, k),
-                             RequestTimes(arrival=arrival), eos_token_id=self.eos_token_id, priority=priority,
-                             cache_salt=cache_salt, index=k, parent_id=request_id) for k in range(params.n)]
-        sequences[0].forks = sequences[1:]
-        self.scheduler.add_request(sequences[0])  # raises ValueError before touching any state
-        for seq in sequences:
-            detokenizer = None
-            if self.tokenizer is not None:
-                detokenizer = Detokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens,
-                                          params.include_stop_str_in_output)
-            self.states[seq.request_id] = _TextState(detokenizer)
+        if params.n == 1:
+            self._add(Request(request_id, token_ids, params, RequestTimes(arrival), self.eos_token_ids, priority,
+                              cache_salt), params, 0, None)
+            return request_id
+        children = [f"{request_id}#{k}" for k in range(params.n)]
+        for k, child_id in enumerate(children):
+            seed = None if params.seed is None else params.seed + k  # siblings must not draw alike
+            child_params = replace(params, n=1, seed=seed)
+            try:
+                self._add(Request(child_id, token_ids, child_params, RequestTimes(arrival), self.eos_token_ids,
+                                  priority, cache_salt), params, k, request_id)
+            except ValueError:
+                for added in children[:k]:
+                    self._finish(added, RequestStatus.FINISHED_ABORTED)
+                raise
+        self.parents[request_id] = children
         return request_id
 
-    @staticmethod
-    def sequence_id(request_id: str, index: int) -> str:
-        """Sequence k of a request with n > 1 is its own scheduler request; sequence 0 keeps the id."""
-        return request_id if index == 0 else f"{request_id}#{index}"
-
-    @staticmethod
-    def _sequence_params(params: SamplingParams, index: int) -> SamplingParams:
-        if params.n == 1:
-            return params
-        seed = None if params.seed is None else params.seed + index  # siblings must not draw alike
-        return replace(params, n=1, seed=seed)
+    def _add(self, request: Request, params: SamplingParams, index: int, parent_id: str | None) -> None:
+        self.scheduler.add_request(request)  # raises ValueError before touching any state
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = Detokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
+                                      params.skip_special_tokens, params.include_stop_str_in_output)
+        self.states[request.request_id] = _TextState(detokenizer, index, parent_id, params.n)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -100,21 +138,13 @@ class Engine:
                 raise ValueError(f"prompt token id {t!r} is not in the vocabulary (0..{vocab})")
         return token_ids
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Abort a request (all n of its sequences); returns sequence 0's final output."""
-        first = self._finish(request_id, RequestStatus.FINISHED_ABORTED)
-        for k in range(1, MAX_N):  # siblings finish in any order: look at every possible one
-            sid = self.sequence_id(request_id, k)
-            if sid in self.states and self._finish(sid, RequestStatus.FINISHED_ABORTED) is None:
-                self.states.pop(sid, None)  # never forked: nothing to free
-        return first
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request (every sequence of an n > 1 request); returns the final outputs."""
+        ids = list(self.parents.get(request_id, [request_id]))
+        return [out for rid in ids if (out := self._finish(rid, RequestStatus.FINISHED_ABORTED)) is not None]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
 
     # ---- one iteration -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -124,14 +154,13 @@ class Engine:
         start = self.clock()
         try:
             result = self.executor.execute(plan)
+        except ExecutorDeadError:
+            raise  # no later step can run either: the engine's owner must see it
         except Exception as exc:  # fail this step's requests, keep the engine alive
             logger.exception("model execution failed; failing the %d requests of this step",
                              len(plan.scheduled))
-            outputs = [o for s in plan.scheduled if not s.is_padding
-                       for o in [self._finish(s.request_id, RequestStatus.FINISHED_ERROR, str(exc))] if o]
-            for o in outputs:
-                self._drop_unforked(o.request_id)
-            return outputs
+            return [o for s in plan.scheduled if not s.is_padding
+                    for o in [self._finish(s.request_id, RequestStatus.FINISHED_ERROR, str(exc))] if o]
         logprobs = self._logprobs_by_request(plan, result)
         outputs = []
         for request in self.scheduler.update(plan, result):
@@ -139,6 +168,9 @@ class Engine:
         self.num_steps += 1
         self.step_records.append(self._record(plan, start))
         return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def _output(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
         state = self.states[request.request_id]
@@ -161,17 +193,18 @@ class Engine:
         state.num_tokens_sent = len(outputs)
         if finished:
             self.states.pop(request.request_id, None)
+            self._child_finished(state.parent_id, request.request_id)
         return RequestOutput(
             request.request_id, request.prompt_token_ids, outputs, text, new_tokens, new_text,
             finished, request.status.value if finished else None, request.times,
-            state.logprobs, request.stop_reason, error, request.index, request.parent_id)
+            state.logprobs, request.stop_reason, error, state.index, state.parent_id, state.n)
 
-    def _drop_unforked(self, request_id: str) -> None:
-        """Sibling sequences that never forked (their parent failed first) have nothing to report."""
-        for k in range(1, MAX_N):
-            sid = self.sequence_id(request_id, k)
-            if sid in self.states and sid not in self.scheduler.requests:
-                self.states.pop(sid, None)
+    def _child_finished(self, parent_id: str | None, child_id: str) -> None:
+        children = self.parents.get(parent_id) if parent_id is not None else None
+        if children is not None:
+            children.remove(child_id)
+            if not children:
+                del self.parents[parent_id]
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> RequestOutput | None:
         request = self.scheduler.finish_request(request_id, status)

@@ -5,22 +5,23 @@ import argparse
 import json
 import sys
 
-from iterserve.entrypoints.args import add_engine_args, config_from_args
+from iterserve.entrypoints.args import HelpFormatter, add_engine_args, config_from_args, fail
 from iterserve.sampling_params import SamplingParams
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="iterserve generate", description=__doc__)
-    parser.add_argument("--prompt", required=True)
+    parser = argparse.ArgumentParser(prog="iterserve generate", description="generate text for one prompt",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--system", default=None, help="system message with --chat")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--sample-seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[])
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: off)")
+    parser.add_argument("--sample-seed", type=int, default=None, help="seed for this request's sampling")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the result and its timings as JSON")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     from iterserve.engine import Engine
@@ -36,8 +37,7 @@ def main(argv: list[str]) -> int:
             prompt = apply_chat_template(engine.tokenizer, messages + [{"role": "user", "content": args.prompt}])
         engine.add_request(prompt, params, request_id="cli")
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        fail(str(exc))
     final = None
     while engine.has_unfinished():
         for out in engine.step():

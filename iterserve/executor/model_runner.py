@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from iterserve.config import EngineConfig
+from iterserve.executor.base import KVCacheSpec, num_blocks_for
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.logits_processors import make_adjust
 from iterserve.executor.sampler import make_batch, sample
@@ -35,7 +37,12 @@ CPU_KV_MEMORY = 1 << 30  # the KV pool on CPU when neither num_kv_blocks nor kv_
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch sees no CUDA device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def cpu_has_bf16() -> bool:
@@ -53,57 +60,105 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
 
 
+def eos_token_ids(arch: ModelArch, tokenizer) -> frozenset[int]:
+    """Every id that ends generation: the model's (Llama 3 lists several) and the tokenizer's."""
+    ids = set(arch.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch | None = None,
-                 weights: dict[str, torch.Tensor] | None = None, tokenizer=None):
+                 weights: dict[str, torch.Tensor] | None = None, tokenizer=None, tp=None):
         """Loads config.model. Or, given arch and weights (HF names, already on the device in
         the runner's dtype), builds from memory with no file: benchmarks run random-weight models
-        of any shape that way (tokenizer None: prompts must be token ids)."""
+        of any shape that way (tokenizer None: prompts must be token ids). Under tensor parallelism
+        (executor/tp_executor.py) each rank builds one from its shard, with its collectives as `tp`."""
         self.config = config
-        self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
+        mc, cc = config.model_config, config.cache_config
+        self.device = pick_device(mc.device)
+        self.dtype = pick_dtype(mc.dtype, self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(mc.num_threads or os.cpu_count() or 1)
         if weights is None:
-            path = config.model or default_model_path()
+            path = mc.model or default_model_path()
             arch, tokenizer = load_model_arch(path), load_tokenizer(path)
             weights = load_weights(path, arch, self.dtype, self.device)
         assert arch is not None, "weights given without their arch"
         self.arch = cfg = arch
         self.tokenizer = tokenizer
-        self.eos_token_id = self._eos_id()
-        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        self.block_size = config.block_size
-        self.model = LlamaModel(cfg, weights, config.block_size,
-                                max_positions=max(self.max_model_len, cfg.max_position_embeddings),
-                                quantization=config.quantization)
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = eos_token_ids(cfg, tokenizer)
+        if mc.max_model_len is not None and mc.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's context of "
+                             f"{cfg.max_position_embeddings} tokens")
+        self.max_model_len = mc.max_model_len or cfg.max_position_embeddings
+        self.block_size = cc.block_size
+        self.model = LlamaModel(cfg, weights, cc.block_size, max_positions=cfg.max_position_embeddings,
+                                quantization=mc.quantization, tp=tp)
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        self.bytes_per_block = 2 * cfg.num_layers * config.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.num_host_blocks = config.swap_space // self.bytes_per_block
-        self.kv_cache = self._alloc_kv(self.num_kv_blocks, self.device)
-        self.host_kv_cache = self._alloc_kv(self.num_host_blocks, torch.device("cpu"))
+        self.kv_dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_cache_spec = KVCacheSpec(cc.block_size, 1, 0, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                         self.kv_dtype)
+        num_kv_blocks = self._num_kv_blocks(self.kv_cache_spec.bytes_per_block)
+        num_host_blocks = config.swap_space_bytes // self.kv_cache_spec.bytes_per_block
+        self.kv_cache = self._alloc_kv(num_kv_blocks, self.device)
+        self.host_kv_cache = self._alloc_kv(num_host_blocks, torch.device("cpu"))
         self._generators: dict[str, torch.Generator] = {}
+        self.kv_cache_spec = replace(self.kv_cache_spec, num_device_blocks=num_kv_blocks,
+                                     num_host_blocks=num_host_blocks)
+        if config.scheduler_config.preemption_mode == "auto":
+            self.kv_cache_spec = replace(self.kv_cache_spec, **self._measure_preemption_costs())
         # Captured last: the graphs hold the KV cache by address, and the pool is sized without them.
         self.graphs: CudaGraphRunner | None = None
-        if self.device.type == "cuda" and config.use_cuda_graphs and self.model.attention.graph_safe:
-            self.graphs = CudaGraphRunner(self.model.forward, self.kv_cache, config.max_num_seqs,
+        if self.device.type == "cuda" and mc.use_cuda_graphs and self.model.attention.graph_safe:
+            self.graphs = CudaGraphRunner(self.model.forward, self.kv_cache, config.scheduler_config.max_num_seqs,
                                           self.max_model_len, self.block_size)
             self.graphs.capture()
 
+    @staticmethod
+    def config_key(config: EngineConfig) -> str:
+        """What this runner is built from: engines whose configs share the key may share one runner."""
+        c = config.cache_config
+        return repr((config.model_config, c.block_size, c.num_kv_blocks, c.kv_cache_memory, c.gpu_memory_utilization,
+                     config.swap_space_bytes, config.scheduler_config.preemption_mode == "auto"))
+
+    def shutdown(self) -> None:
+        """Nothing outlives the process here; multi-process executors stop their workers."""
+
+    def _measure_preemption_costs(self) -> dict[str, float]:
+        """What auto preemption weighs: a swap round trip's bandwidth and the prompt speed, timed on
+        this model and device at start-up (a few blocks out and back; one prompt of up to 256 tokens)."""
+        spec = self.kv_cache_spec
+        n = min(spec.num_host_blocks, spec.num_device_blocks, 8)
+        moves = [(i, i) for i in range(n)]
+        start = time.perf_counter()
+        self._move_blocks(SchedulerOutput(block_size=self.block_size, swap_out=moves, swap_in=moves))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        swap_s = time.perf_counter() - start
+        length = min(256, self.max_model_len - 1, spec.num_device_blocks * self.block_size)
+        plan = SchedulerOutput(block_size=self.block_size, scheduled=[ScheduledRequest(
+            "measure", [0] * length, 0, list(range(-(-length // self.block_size))), True, SamplingParams())])
+        timings = []
+        for _ in range(2):  # the first pass pays one-time costs (kernel builds, allocations)
+            timings.append(self.execute(plan).step_time)
+        return {"swap_bytes_per_s": 2 * n * spec.bytes_per_block / max(swap_s, 1e-9) if n else 0.0,
+                "recompute_tokens_per_s": length / max(timings[-1], 1e-9)}
+
     # ------------------------------------------------------------ KV pool size
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, block_bytes: int) -> int:
         """num_kv_blocks if given; else kv_cache_memory on CPU or when set; else, on CUDA, profiled."""
-        c = self.config
+        c = self.config.cache_config
         if c.num_kv_blocks:
             return c.num_kv_blocks
         if self.device.type != "cuda" or c.kv_cache_memory is not None:
-            return max(1, (c.kv_cache_memory or CPU_KV_MEMORY) // self.bytes_per_block)
-        return self._profile_kv_blocks()
+            return num_blocks_for(c.kv_cache_memory or CPU_KV_MEMORY, block_bytes)
+        return num_blocks_for(self._profile_kv_memory(block_bytes), block_bytes)
 
-    def _profile_kv_blocks(self) -> int:
+    def _profile_kv_memory(self, block_bytes: int) -> int:
         """pool = free device memory * gpu_memory_utilization - the activations' peak.
 
         The peak is measured by one forward pass and sampling at the largest step the scheduler can
@@ -126,17 +181,19 @@ class ModelRunner:
         del scratch
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(dev)
-        pool = int(free * self.config.gpu_memory_utilization) - peak
-        if pool < self.bytes_per_block:
+        utilization = self.config.cache_config.gpu_memory_utilization
+        pool = int(free * utilization) - peak
+        if pool < block_bytes:
             raise RuntimeError(f"no device memory left for the KV cache: {free / 2**30:.2f} GiB free * "
-                               f"gpu_memory_utilization {self.config.gpu_memory_utilization} - activations "
+                               f"gpu_memory_utilization {utilization} - activations "
                                f"{peak / 2**30:.2f} GiB; raise gpu_memory_utilization or lower max_num_batched_tokens")
-        return pool // self.bytes_per_block
+        return pool
 
     def _profile_plan(self) -> tuple[SchedulerOutput, int]:
         """max_num_batched_tokens dummy prompt tokens split evenly over up to max_num_seqs requests."""
-        total, bs = self.config.max_num_batched_tokens, self.block_size
-        n = max(min(self.config.max_num_seqs, total), -(-total // self.max_model_len))
+        sc, bs = self.config.scheduler_config, self.block_size
+        total = sc.max_num_batched_tokens
+        n = max(min(sc.max_num_seqs, total), -(-total // self.max_model_len))
         plan, used = SchedulerOutput(block_size=bs), 0
         for i in range(n):
             length = total // n + (i < total % n)
@@ -153,19 +210,6 @@ class ModelRunner:
         kv = torch.empty(shape, dtype=self.dtype)
         _advise_huge_pages(kv)  # before the first touch, so the pages come huge
         return kv.zero_()
-
-    def _eos_id(self) -> int:
-        ids = list(self.arch.eos_token_ids)
-        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
-        return ids[0] if ids else (tok_eos if tok_eos is not None else -1)
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        """Every id that ends generation: the model's and the tokenizer's (they may differ)."""
-        ids = set(self.arch.eos_token_ids)
-        if getattr(self.tokenizer, "eos_token_id", None) is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     # ------------------------------------------------------------ one step
 
@@ -198,9 +242,6 @@ class ModelRunner:
         if plan.swap_in:
             src, dst = zip(*plan.swap_in)
             self.kv_cache[:, :, list(dst)] = self.host_kv_cache[:, :, list(src)].to(self.device)
-        if plan.copy_blocks:
-            src, dst = zip(*plan.copy_blocks)
-            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
 
     def _prepare(self, plan: SchedulerOutput):
         reqs, bs = plan.scheduled, plan.block_size

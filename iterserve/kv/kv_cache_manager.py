@@ -167,21 +167,6 @@ class KVCacheManager:
             self.pool.register(blocks[i], hashes[-1])
             self.computing.pop(hashes[-1], None)
 
-    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
-        """Share the parent's computed full blocks with the child by ref count. A partly filled last
-        block would be written by both, so the child gets its own copy (copy-on-write, done now
-        because the child writes it in this very step). Returns that (src, dst) copy, if any."""
-        bs = self.block_size
-        blocks = self.req_blocks.get(parent.request_id, [])
-        num_full = parent.num_computed_tokens // bs
-        shared = blocks[:num_full]
-        self.pool.touch(shared)
-        own = self.pool.allocate(1) if parent.num_computed_tokens % bs else []
-        self.req_blocks[child.request_id] = shared + own
-        self.req_block_ids[child.request_id] = [b.block_id for b in shared + own]
-        self.req_hashes[child.request_id] = list(self.req_hashes.get(parent.request_id, []))[:num_full]
-        return (blocks[num_full].block_id, own[0].block_id) if own else None
-
     def can_swap_out(self, request: Request) -> bool:
         return len(self.blocks_of(request.request_id)) <= min(self.host_pool.num_free_blocks, self.num_host_blocks)
 

@@ -46,7 +46,6 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)  # left since the last step: executors drop their state
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), before the step
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block), before the step
-    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device copies (copy-on-write)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -11,24 +11,25 @@ from collections import deque
 from typing import Callable
 
 from iterserve.config import EngineConfig
+from iterserve.executor.base import KVCacheSpec
 from iterserve.kv.kv_cache_manager import KVCacheManager, cdiv
 from iterserve.request import Request, RequestStatus
 from iterserve.scheduler.output import SchedulerOutput, ScheduledRequest, StepResult
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
-                 clock: Callable[[], float] = time.monotonic, num_host_blocks: int = 0,
-                 bytes_per_block: int = 0) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, kv_spec: KVCacheSpec, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config.scheduler_config
         self.clock = clock
-        self.block_size = config.block_size
-        self.bytes_per_block = bytes_per_block
-        self.kv = KVCacheManager(num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.watermark, num_host_blocks)
+        self.kv_spec = kv_spec
+        self.block_size = kv_spec.block_size
+        cache = config.cache_config
+        self.kv = KVCacheManager(kv_spec.num_device_blocks, kv_spec.block_size, cache.enable_prefix_caching,
+                                 cache.watermark, kv_spec.num_host_blocks)
         # A sequence may grow only as long as the pool can hold it alone, or it could never resume.
         self.max_model_len = min(max_model_len, self.kv.max_tokens_per_request)
-        self.static = config.scheduling == "static"
+        self.static = self.config.scheduling == "static"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # swap-preempted, resumed before any waiting request
@@ -46,13 +47,6 @@ class Scheduler:
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; this engine's context holds at most "
                              f"{self.max_model_len} (prompt plus at least one generated token)")
-        if request.forks and self.static:
-            raise ValueError("n > 1 needs continuous scheduling (static mode is a single-sequence baseline)")
-        if request.forks and cdiv(n, self.block_size) + len(request.forks) > \
-                self.kv.num_blocks - self.kv.watermark_blocks:
-            raise ValueError(f"{len(request.forks) + 1} sequences of a {n}-token prompt cannot fit the KV cache")
-        if len(request.forks) >= self.config.max_num_seqs:
-            raise ValueError(f"n={len(request.forks) + 1} exceeds max_num_seqs={self.config.max_num_seqs}")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.arrival_seq = self._arrivals
@@ -73,7 +67,6 @@ class Scheduler:
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         request.status = status
-        request.forks.clear()  # children not forked yet never start
         request.times.finished = self.clock()
         if self.static and self.config.static_padding and status != RequestStatus.FINISHED_ABORTED \
                 and self.kv.blocks_of(request_id):
@@ -119,16 +112,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.forks and request.num_computed_tokens >= request.num_prompt_tokens - 1:
-                self._fork(request, plan)
-                while request.forks and (victim := self._fork_victim(request, i)) is not None:
-                    self._preempt(victim, plan)  # the siblings need blocks to copy-on-write into
-                    self._fork(request, plan)
-            n = self._num_new_tokens(request, request.num_computed_tokens, budget) if request.forks else \
-                min(len(request.token_ids) - request.num_computed_tokens, budget)
-            if n == 0:  # a parent waiting for its siblings' blocks
-                i += 1
-                continue
+            n = min(len(request.token_ids) - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(i)
                 self._preempt(victim, plan)
@@ -143,8 +127,7 @@ class Scheduler:
         return budget
 
     def _schedule_swapped(self, plan: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and \
-                self._seats_used() + 1 + len(self.swapped[0].forks) <= self.config.max_num_seqs:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             n = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if not self.kv.can_swap_in(request, n):
@@ -172,7 +155,7 @@ class Scheduler:
                 i += 1  # most of what it would compute is being computed: reuse it next step
                 continue
             # Admit only if the whole remaining prompt fits, not just its first chunk (no thrash).
-            if self._seats_used() + 1 + len(request.forks) > self.config.max_num_seqs or \
+            if len(self.running) >= self.config.max_num_seqs or \
                     not self.kv.can_admit(request, request.num_tokens, computed):
                 if self._preempt_for_priority(request, plan):
                     continue
@@ -189,36 +172,8 @@ class Scheduler:
 
     @staticmethod
     def _num_new_tokens(request: Request, num_computed: int, budget: int) -> int:
-        """The one rule; a parent of n > 1 sequences stops before its last prompt token to fork."""
-        end = request.num_prompt_tokens - 1 if request.forks else request.num_tokens
-        return max(0, min(end - num_computed, budget))
-
-    def _fork_victim(self, parent: Request, index: int) -> Request | None:
-        """Not yet scheduled this step, and not one of the parent's own sequences."""
-        candidates = [r for r in self.running[index + 1:] if r.parent_id != parent.request_id]
-        if not candidates:
-            return None
-        if self.config.scheduling_policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
-        return candidates[-1]
-
-    def _seats_used(self) -> int:
-        """Running sequences plus the siblings that running parents will fork (their seats are held)."""
-        return len(self.running) + sum(len(r.forks) for r in self.running)
-
-    def _fork(self, parent: Request, plan: SchedulerOutput) -> None:
-        """Start the parent's sibling sequences on its computed prompt blocks (seats are held for them)."""
-        while parent.forks and self.kv.pool.num_free_blocks > self.kv.watermark_blocks:
-            child = parent.forks.pop(0)
-            child.num_computed_tokens = parent.num_computed_tokens
-            copy = self.kv.fork(parent, child)
-            if copy is not None:
-                plan.copy_blocks.append(copy)
-            self.requests[child.request_id] = child
-            child.arrival_seq = parent.arrival_seq
-            self._start_running(child)
-            self.running.remove(child)
-            self.running.insert(self.running.index(parent) + 1, child)
+        """The one rule."""
+        return max(0, min(request.num_tokens - num_computed, budget))
 
     def _sort_waiting(self) -> None:
         """(priority, arrival) order; waiting ages a request's priority so nobody starves."""
@@ -306,17 +261,16 @@ class Scheduler:
 
     def _use_swap(self, request: Request, plan: SchedulerOutput) -> bool:
         mode = self.config.preemption_mode
-        # Executors copy in the order swap-out, swap-in, copy-on-write: a host block freed by a
-        # swap-in, or a block a fork is about to fill, must not be swapped out in the same step.
-        if mode == "recompute" or plan.swap_in or plan.copy_blocks or not self.kv.can_swap_out(request):
+        # Executors copy swap-outs before swap-ins: a host block freed by a swap-in in this step
+        # must not be swapped out into in the same step.
+        if mode == "recompute" or plan.swap_in or not self.kv.can_swap_out(request):
             return False
         if mode == "swap":
             return True
-        # auto: copy out and back at the host-link bandwidth vs recomputing every cached token
-        num_blocks = len(self.kv.blocks_of(request.request_id))
-        swap_s = 2 * num_blocks * self.bytes_per_block / self.config.swap_bandwidth
-        recompute_s = request.num_computed_tokens / self.config.recompute_tokens_per_s
-        return swap_s < recompute_s
+        # auto: copy out and back at the executor's measured bandwidth vs recomputing every cached token
+        spec = self.kv_spec
+        swap_s = 2 * len(self.kv.blocks_of(request.request_id)) * spec.bytes_per_block / spec.swap_bytes_per_s
+        return swap_s < request.num_computed_tokens / spec.recompute_tokens_per_s
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -354,7 +308,7 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if token == request.eos_token_id and not params.ignore_eos:
+        if token in request.eos_token_ids and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
         if params.stop_token_ids and token in params.stop_token_ids:
             request.stop_reason = token

@@ -23,10 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import iterserve
+from iterserve.engine.diagnostics import Diagnostics
 from iterserve.outputs import RequestOutput
 from iterserve.server.async_engine import (
-    AsyncEngine, EngineDeadError, QueueFullError, RequestStream, RequestTimeoutError,
+    AsyncEngine, EngineDeadError, QueueFullError, RequestStream, RequestTimeoutError, ShuttingDownError,
 )
+from iterserve.server.dashboard import mount as mount_dashboard
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -57,12 +59,12 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
 
 def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20, metrics: ServerMetrics | None = None,
-              allowed_origins: list[str] | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None, diagnostics: Diagnostics | None = None) -> FastAPI:
     metrics = metrics or ServerMetrics(served_model_name)
     async_engine.on_step = metrics.on_step
     engine = async_engine.engine
     tokenizer = engine.tokenizer
-    max_model_len = engine.scheduler.max_model_len
+    max_model_len = engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -99,6 +101,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     async def health():
         if async_engine.dead is not None:
             return error_response(503, f"the engine loop has died: {async_engine.dead!r}", "engine_dead")
+        if async_engine.draining:  # load balancers stop sending here while the open requests finish
+            return error_response(503, "the server is shutting down", ShuttingDownError.type)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -127,7 +131,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             raise ApiError(400, str(e)) from e
         except QueueFullError as e:
             raise ApiError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from e
-        except EngineDeadError as e:
+        except (EngineDeadError, ShuttingDownError) as e:
             raise ApiError(e.status, str(e), e.type) from e
 
     @app.post("/v1/completions")
@@ -175,6 +179,8 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
                                 logprobs=_chat_logprobs(out.logprobs, out.token_ids, tokenizer)
                                 if params.logprobs is not None else None) for out in outs])
 
+    if isinstance(async_engine, AsyncEngine):  # a local engine; the Ray ingress (server/ray_app.py) has none
+        mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics
     app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes)
     if allowed_origins:  # off by default; outside the guard, so preflights need no API key
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["GET", "POST"],

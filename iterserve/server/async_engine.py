@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from iterserve.engine import Engine
+from iterserve.engine.stats import EngineStats
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 
@@ -35,6 +36,16 @@ class QueueFullError(RuntimeError):
 class RequestTimeoutError(RuntimeError):
     """The request ran past --request-timeout; it was aborted and its KV blocks freed."""
     status, type = 504, "timeout"
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is draining before it exits: no new requests; the client should retry elsewhere."""
+    status, type = 503, "server_shutting_down"
+
+
+class ShutdownTimeoutError(RequestTimeoutError):
+    """The request was still running when --shutdown-timeout ran out; it was aborted."""
+    status, type = 503, "server_shutting_down"
 
 
 # With no --max-waiting-requests the queue is still bounded: a flood gets 503s, not unbounded memory.
@@ -70,7 +81,6 @@ class RequestStream:
     engine: "AsyncEngine"
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
-    n: int = 1  # engine thread only: the request's sequences
     unfinished: int = 1  # engine thread only: sequences still running
     deadline: float | None = None  # engine thread only: monotonic time of --request-timeout
 
@@ -117,7 +127,7 @@ def _merge(outputs: list[RequestOutput]) -> list[RequestOutput]:
 class AsyncEngine:
     def __init__(self, engine: Engine | Callable[[], Engine], *, max_waiting_requests: int | None = None,
                  request_timeout: float | None = None, log_interval: float = 10.0,
-                 on_step: Callable[[Engine, list[RequestOutput]], None] | None = None) -> None:
+                 on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None) -> None:
         """`engine` is an Engine, or a function that builds one; the server passes the function, so the
         model loads on the engine thread and it is the only thread that ever runs torch ops. (A second
         thread running ops gets a second OpenMP pool; on 2 cores its steps measured ~25% slower.)"""
@@ -125,6 +135,8 @@ class AsyncEngine:
         self.log_interval = log_interval
         self.on_step = on_step  # called on the engine thread after every step (metrics)
         self.dead: BaseException | None = None
+        self.draining = False  # set by drain(): no new requests
+        self._drain_deadline: float | None = None  # monotonic time when the rest are aborted
         self._commands: deque[_Add | _Abort] = deque()  # deque append/popleft are thread-safe
         self._wake = threading.Event()
         self._stop = False
@@ -137,7 +149,7 @@ class AsyncEngine:
             self.engine = engine
         else:
             self._build_on_engine_thread(engine)
-        self.max_waiting_requests = next(x for x in (max_waiting_requests, self.engine.config.max_waiting_requests,
+        self.max_waiting_requests = next(x for x in (max_waiting_requests, self.engine.config.scheduler_config.max_waiting_requests,
                                                      DEFAULT_MAX_WAITING_REQUESTS) if x is not None)
 
     def _build_on_engine_thread(self, build: Callable[[], Engine]) -> None:
@@ -171,6 +183,14 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.shutdown()  # an executor's worker processes (tensor parallel) end with the engine
+
+    def drain(self, timeout: float) -> None:
+        """Graceful shutdown: refuse new requests (503) from now on; the accepted ones run for up to
+        `timeout` seconds, then end with a ShutdownTimeoutError (an SSE error event). Any thread."""
+        self.draining = True
+        self._drain_deadline = time.monotonic() + timeout
+        self._wake.set()
 
     @property
     def num_open_requests(self) -> int:
@@ -190,6 +210,8 @@ class AsyncEngine:
         Raises ValueError (bad input, prompt too long), QueueFullError or EngineDeadError."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self.dead!r}")
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down and takes no new requests")
         self.start()
         self._loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
@@ -230,15 +252,19 @@ class AsyncEngine:
                 self._wake.clear()  # before draining: a command queued after the drain re-sets it
                 self._drain_commands()
                 self._expire()
+                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                    self._abort_all(ShutdownTimeoutError("the server shut down before this request finished "
+                                                         "(--shutdown-timeout)"))
                 if not self.engine.has_unfinished():
                     self._status.idle()
                     self._wake.wait()
                     continue
                 outputs = self.engine.step()
+                stats = self.engine.stats
                 if self.on_step is not None:  # metrics first: a client that saw its last token sees it counted
-                    self.on_step(self.engine, outputs)
+                    self.on_step(stats, outputs)
                 self._deliver(outputs)
-                self._status.maybe_log(self.engine, outputs)
+                self._status.maybe_log(stats, outputs)
         except BaseException as exc:  # noqa: BLE001 - whatever killed the loop, fail every stream
             logger.exception("the engine loop died; failing %d pending requests", len(self._streams))
             self.dead = exc
@@ -254,13 +280,11 @@ class AsyncEngine:
 
     def _abort(self, request_id: str, error: BaseException | None = None) -> None:
         stream = self._streams.pop(request_id, None)
-        # Each sequence by its own id: Engine.abort_request(parent) stops at the first finished one.
-        outs = [out for k in range(stream.n if stream else 1)
-                if (out := self.engine.abort_request(Engine.sequence_id(request_id, k))) is not None]
+        outs = self.engine.abort_request(request_id)
         for out in outs:
             log_finished(out)
         if outs and self.on_step is not None:
-            self.on_step(self.engine, outs)  # counted as aborted
+            self.on_step(self.engine.stats, outs)  # counted as aborted
         if stream is not None:
             self._post([(stream, error)] if error else [(stream, out) for out in outs] + [(stream, _END)])
 
@@ -268,13 +292,17 @@ class AsyncEngine:
         error: BaseException | None = None
         if c.stream.finished:  # the caller gave up before we got here
             return
-        if self.engine.scheduler.num_waiting >= self.max_waiting_requests:
+        if self.draining:  # queued just before drain(): refused like any later one
+            self._loop.call_soon_threadsafe(_resolve, c.accepted,
+                                            ShuttingDownError("the server is shutting down and takes no new requests"))
+            return
+        if self.engine.stats.num_queued >= self.max_waiting_requests:
             error = QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
         else:
             try:
                 self.engine.add_request(c.prompt, c.params, c.request_id, c.arrival_time,
                                         priority=c.priority, cache_salt=c.cache_salt)
-                c.stream.n = c.stream.unfinished = c.n
+                c.stream.unfinished = c.n
                 self._streams[c.request_id] = c.stream
                 if self.request_timeout is not None:
                     c.stream.deadline = c.arrival_time + self.request_timeout
@@ -282,6 +310,10 @@ class AsyncEngine:
             except ValueError as exc:
                 error = exc
         self._loop.call_soon_threadsafe(_resolve, c.accepted, error)
+
+    def _abort_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._abort(request_id, error)
 
     def _expire(self) -> None:
         """Abort the requests past --request-timeout; their streams end with RequestTimeoutError."""
@@ -357,13 +389,12 @@ class _StatusLine:
     def idle(self) -> None:
         self.last, self.tokens = 0.0, 0
 
-    def maybe_log(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+    def maybe_log(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         self.tokens += sum(len(o.new_token_ids) for o in outputs)
         if self.last == 0.0:
             self.last = now
         elif now - self.last >= self.interval:
-            s = engine.scheduler
             logger.info("engine: running %d, waiting %d, KV usage %.1f%%, %.1f tokens/s",
-                        s.num_running, s.num_waiting, 100 * s.kv_usage, self.tokens / (now - self.last))
+                        stats.num_running, stats.num_queued, 100 * stats.kv_usage, self.tokens / (now - self.last))
             self.last, self.tokens = now, 0

@@ -49,7 +49,7 @@ def local_backend(args: argparse.Namespace, params: dict) -> Callable[[list[Mess
 
     def reply(messages: list[Message]) -> Iterator[str]:
         prompt = apply_chat_template(engine.tokenizer, messages)
-        room = engine.scheduler.max_model_len - len(prompt)
+        room = engine.max_model_len - len(prompt)
         rid = engine.add_request(prompt, SamplingParams(max_tokens=max(1, min(params["max_tokens"], room)),
                                                         temperature=params["temperature"]))
         try:

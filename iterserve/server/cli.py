@@ -4,28 +4,22 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
+import time
 
-from iterserve.config import parse_bytes
-from iterserve.entrypoints.args import add_engine_args, config_from_args
+from iterserve.config import ServerConfig
+from iterserve.entrypoints.args import HelpFormatter, add_config_args, add_engine_args, config_from_args, fail
+from iterserve.server.ray_cli import add_replica_args
 
 logger = logging.getLogger("iterserve.server")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iterserve serve", description="OpenAI-compatible HTTP server")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1/ routes (env ITERSERVE_API_KEY)")
-    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: file name)")
-    parser.add_argument("--max-request-bytes", type=parse_bytes, default=4 << 20, help="larger bodies get a 413")
-    parser.add_argument("--request-timeout", type=float, default=None,
-                        help="abort a request (and free its KV blocks) this many seconds after arrival")
-    parser.add_argument("--allowed-origins", default=None,
-                        help="comma-separated origins allowed by CORS, or '*' (default: CORS off)")
-    parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
-    parser.add_argument("--access-log", action="store_true", help="also log uvicorn's per-request access line")
+    parser = argparse.ArgumentParser(prog="iterserve serve", description="OpenAI-compatible HTTP server",
+                                     formatter_class=HelpFormatter)
+    add_config_args(parser, ServerConfig, "server", defaults={"api_key": os.environ.get("ITERSERVE_API_KEY")})
     add_engine_args(parser)
+    add_replica_args(parser)
     return parser
 
 
@@ -36,26 +30,51 @@ def served_name(model: str | None) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, taken before the model loads: a port in use fails at once, not after it."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(infos[0][4])
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    server, config = config_from_args(args, ServerConfig), config_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    name = server.served_model_name or served_name(config.model_config.model)
+    origins = [o.strip() for o in server.allowed_origins.split(",") if o.strip()] if server.allowed_origins else None
+    if config.parallel_config.data_parallel_size > 1:  # replicas on Ray Serve, whose proxy takes the port
+        from iterserve.server.ray_cli import serve_replicas
+        return serve_replicas(config, server, args, name, origins)
+    sock = bind(server.host, server.port)
     import uvicorn
 
     from iterserve.engine import Engine
     from iterserve.server.app import build_app
     from iterserve.server.async_engine import AsyncEngine
+    from iterserve.server.dashboard import make_diagnostics
+    from iterserve.server.shutdown import GracefulServer
 
-    config = config_from_args(args)
-    async_engine = AsyncEngine(lambda: Engine(config), request_timeout=args.request_timeout,
-                               log_interval=args.log_interval)
+    start = time.monotonic()
+    logger.info("loading %s ...", config.model_config.model or "the default model (SmolLM2-135M-Instruct)")
+    async_engine = AsyncEngine(lambda: Engine(config), request_timeout=server.request_timeout,
+                               log_interval=server.log_interval)
     engine = async_engine.engine
-    name = args.served_model_name or served_name(config.model)
-    origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()] if args.allowed_origins else None
-    app = build_app(async_engine, name, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                    allowed_origins=origins)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", name, args.host, args.port,
-                engine.scheduler.max_model_len)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log)
+    logger.info("loaded in %.1f s: %d KV blocks of %d tokens", time.monotonic() - start,
+                engine.stats.num_kv_blocks, config.cache_config.block_size)
+    diagnostics = make_diagnostics(engine, server.slo_ttft, server.slo_tpot) if server.diagnostics else None
+    app = build_app(async_engine, name, api_key=server.api_key, max_request_bytes=server.max_request_bytes,
+                    allowed_origins=origins, diagnostics=diagnostics)
+    if server.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", server.host)
+    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", name, server.host, server.port,
+                engine.max_model_len)
+    # the drain ends every stream by --shutdown-timeout; uvicorn's own limit only backs it up
+    uv_config = uvicorn.Config(app, log_level="info", access_log=server.access_log, timeout_graceful_shutdown=5)
+    GracefulServer(uv_config, async_engine, server.shutdown_timeout).run(sockets=[sock])
     return 0

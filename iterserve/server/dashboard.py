@@ -109,8 +109,8 @@ def simulated_system(engine):
     executor = engine.executor
     if isinstance(executor, SimulatedExecutor):
         return executor.model, executor.hardware
-    device = getattr(executor, "device", None)  # ModelRunner's torch.device; test executors have none
-    if device is None or getattr(device, "type", str(device)) != "cpu":
+    from iterserve.executor.model_runner import ModelRunner
+    if not isinstance(executor, ModelRunner) or executor.device.type != "cpu":  # the CPU profile models only that
         return None
     import argparse
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from iterserve.config import EngineConfig
+from iterserve.entrypoints.args import HelpFormatter, fail
+from iterserve.executor.base import KVCacheSpec, num_blocks_for
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
 from iterserve.sim.cost_model import CostModel
@@ -101,10 +103,13 @@ def measure_steps(runner, points: list[tuple[str, int, int]], reps: int) -> list
 class _NullExecutor:
     """No model: the engine's own host work (schedule, update, detokenize) is all that is timed."""
 
+    eos_token_ids = frozenset()
+    vocab_size = None
+
     def __init__(self, tokenizer, num_kv_blocks: int, max_model_len: int, token_id: int):
-        self.tokenizer, self.eos_token_id, self.vocab_size = tokenizer, None, None
-        self.num_kv_blocks, self.num_host_blocks, self.max_model_len = num_kv_blocks, 0, max_model_len
-        self.token_id = token_id
+        self.tokenizer, self.max_model_len, self.token_id = tokenizer, max_model_len, token_id
+        # Shapes are placeholders: nothing is allocated, only the block count matters to the scheduler.
+        self.kv_cache_spec = KVCacheSpec(16, num_kv_blocks, 0, 1, 1, 1, "bfloat16")
         self.batches: list[int] = []
         self.ends: list[float] = []
         self.starts: list[float] = []
@@ -115,6 +120,9 @@ class _NullExecutor:
         out = StepResult([self.token_id if s.sample else -1 for s in plan.scheduled])
         self.ends.append(time.perf_counter())
         return out
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
 
 
 def measure_host_overhead(tokenizer, batch_sizes: list[int], steps: int = 40) -> tuple[float, float]:
@@ -293,7 +301,7 @@ def _real_kv_blocks(kw: dict) -> int:
     elem = torch.tensor([], dtype=pick_dtype(kw.get("dtype", "auto"), pick_device("auto"))).element_size()
     spec = get_model_spec(kw.get("model") or default_model_path(), elem)
     block = kw.get("block_size", 16) * spec.kv_bytes_per_token
-    return int(parse_bytes(kw.get("kv_cache_memory") or CPU_KV_MEMORY) // block)
+    return num_blocks_for(parse_bytes(kw.get("kv_cache_memory") or CPU_KV_MEMORY), block)
 
 
 def format_validation(rows: list[dict]) -> str:
@@ -317,13 +325,12 @@ def _total_memory() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="iterserve calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="iterserve calibrate", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="model to time (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="model dtype")
     p.add_argument("--output", default=None, help=f"profile path (default: {default_cpu_profile_path()})")
     p.add_argument("--quick", action="store_true", help="fewer step-time points")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="timings per step-time point (the median is kept)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads for every measurement (1 is steadier when other work shares the cores)")
     p.add_argument("--validate", action="store_true",
@@ -334,12 +341,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="fit an existing profile again from its recorded step times, in place")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if args.refit:
+        if not Path(args.refit).is_file():
+            fail(f"no profile at {args.refit}")
         profile = refit(args.refit)
         Path(args.refit).write_text(json.dumps(profile, indent=2))
         _print_fit(profile)
         print(f"wrote {args.refit}")
         return 0
     if args.validate_only:
+        if not Path(args.validate_only).is_file():
+            fail(f"no profile at {args.validate_only} (write one with `iterserve calibrate`)")
         print(format_validation(validate(args.validate_only, num_threads=args.num_threads, save_dir=args.save_runs)))
         return 0
     profile = calibrate(args.model, args.quick, args.dtype, args.reps, args.num_threads)

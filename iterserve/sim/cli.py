@@ -15,36 +15,20 @@ from iterserve.bench.runner import run_trace
 from iterserve.bench.workload import Trace, materialize_prompts
 from iterserve.config import EngineConfig
 from iterserve.sim.cost_model import CostModel
-from iterserve.sim.executor import SimulatedExecutor, VirtualClock, host_blocks_for
+from iterserve.entrypoints.args import fail
+from iterserve.sim.executor import SimulatedExecutor, VirtualClock
 from iterserve.sim.hardware import PRESETS, get_hardware
 from iterserve.sim.model_spec import PRESET_CONFIGS, get_model_spec
 
 SIM_TARGETS = ("continuous", "static")
 
 
-def add_model_args(p: argparse.ArgumentParser, with_model: bool = True) -> None:
-    """The flags that pick what is modelled; shared by simulate and tune. The bench parser
-    already has --model and --num-kv-blocks, so they are added only for parsers without them."""
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """What is modelled besides the engine's own settings; shared by simulate and tune."""
     g = p.add_argument_group("modelled system")
-    if with_model:
-        g.add_argument("--model", default=None)
-        g.add_argument("--num-kv-blocks", type=int, default=None, help="override the derived KV pool size")
     g.add_argument("--hardware", default="a100-80gb", help=f"preset ({', '.join([*PRESETS, 'cpu-local'])})")
     g.add_argument("--hardware-profile", default=None, help="a JSON profile written by `iterserve calibrate`")
-    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="GPUs the model is split over (weights and K/V split, all-reduce per layer)")
     g.add_argument("--dtype-bytes", type=int, default=None, help="override the model's bytes per parameter")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    e = p.add_argument_group("more engine settings (simulate and tune)")
-    e.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"), default=None)
-    e.add_argument("--swap-space", default=None, help="host KV pool for swap preemption, e.g. 4GiB")
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None)
-
-
-def extra_engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("preemption_mode", "swap_space", "max_model_len", "scheduling_policy")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def resolve(args: argparse.Namespace):
@@ -68,22 +52,20 @@ def _profile_dtype_bytes(args: argparse.Namespace) -> int | None:
         return None
 
 
-def make_executor(config: EngineConfig, model, hw, tp: int = 1, gpu_memory_utilization: float = 0.9,
-                  clock: VirtualClock | None = None) -> SimulatedExecutor:
+def make_executor(config: EngineConfig, model, hw, clock: VirtualClock | None = None) -> SimulatedExecutor:
     """The executor for one engine config: the KV pool sized like a GPU engine sizes it, unless
     the config pins num_kv_blocks."""
-    num_host = host_blocks_for(config.swap_space, model, config.block_size, tp)
-    return SimulatedExecutor(model, hw, tp, num_kv_blocks=config.num_kv_blocks, block_size=config.block_size,
-                             gpu_memory_utilization=gpu_memory_utilization,
-                             max_num_batched_tokens=config.max_num_batched_tokens,
-                             max_num_seqs=config.max_num_seqs, num_host_blocks=num_host,
-                             max_model_len=config.max_model_len, clock=clock,
-                             kv_cache_memory=config.kv_cache_memory or (1 << 30))
+    c, sc = config.cache_config, config.scheduler_config
+    return SimulatedExecutor(model, hw, config.parallel_config.tensor_parallel_size, num_kv_blocks=c.num_kv_blocks,
+                             block_size=c.block_size, gpu_memory_utilization=c.gpu_memory_utilization,
+                             max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
+                             swap_space=config.swap_space_bytes, max_model_len=config.model_config.max_model_len,
+                             clock=clock, kv_cache_memory=c.kv_cache_memory or (1 << 30))
 
 
-def make_engine(config: EngineConfig, model, hw, tp: int = 1, gpu_memory_utilization: float = 0.9):
+def make_engine(config: EngineConfig, model, hw):
     from iterserve.engine.engine import Engine
-    executor = make_executor(config, model, hw, tp, gpu_memory_utilization)
+    executor = make_executor(config, model, hw)
     return Engine(config, executor=executor, clock=executor.clock)
 
 
@@ -102,10 +84,11 @@ def step_time_table(cost: CostModel, batch_sizes: list[int], context_len: int) -
 
 def run_step_time(args: argparse.Namespace) -> int:
     model, hw = resolve(args)
-    cost = CostModel(model, hw, args.tp)
+    tp = args.tensor_parallel_size
+    cost = CostModel(model, hw, tp)
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     rows = step_time_table(cost, sizes, args.context_len)
-    print(f"decode step time: {model.name} on {args.tp} x {hw.name} "
+    print(f"decode step time: {model.name} on {tp} x {hw.name} "
           f"(weights {model.weight_bytes / 1e9:.2f} GB, K/V {model.kv_bytes_per_token / 1024:.0f} KiB/token)")
     print(f"{'batch':>6} {'context':>8} {'step ms':>9} {'tok/s':>9} {'linear':>8} {'attn':>8} {'overhd':>8}")
     for r in rows:
@@ -113,38 +96,39 @@ def run_step_time(args: argparse.Namespace) -> int:
               f"{r['linear_ms']:>8.2f} {r['attention_ms']:>8.2f} {r['overhead_ms']:>8.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model.name, "hardware": hw.to_json(), "tp": args.tp, "rows": rows}, f, indent=2)
+            json.dump({"model": model.name, "hardware": hw.to_json(), "tp": tp, "rows": rows}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 
 
 # ---------------------------------------------------------------- the workload through the engine
 
-def engine_factory(model, hw, tp: int = 1, gpu_memory_utilization: float = 0.9):
+def engine_factory(model, hw, built: list | None = None):
     """What the bench runner calls to build each target's engine: same workload path, same report."""
     def factory(scheduling: str, engine_kwargs: dict):
-        return make_engine(EngineConfig(**{**engine_kwargs, "scheduling": scheduling}), model, hw, tp,
-                           gpu_memory_utilization)
+        engine = make_engine(EngineConfig(**{**engine_kwargs, "scheduling": scheduling}), model, hw)
+        if built is not None:
+            built.append(engine)
+        return engine
     return factory
 
 
-def simulate_trace(trace: Trace, config: EngineConfig, model, hw, tp: int = 1,
-                   gpu_memory_utilization: float = 0.9, name: str | None = None) -> TargetResult:
+def simulate_trace(trace: Trace, config: EngineConfig, model, hw, name: str | None = None) -> TargetResult:
     """One target through the bench's own trace driver on a fresh simulated engine."""
     if any(r.prompt_token_ids is None for r in trace.requests):
         materialize_prompts(trace, None)
-    engine = make_engine(config, model, hw, tp, gpu_memory_utilization)
-    result = run_trace(engine, trace, name or config.scheduling)
-    result.extra = sim_extra(engine, config, model, hw, tp)
+    engine = make_engine(config, model, hw)
+    result = run_trace(engine, trace, name or config.scheduler_config.scheduling)
+    result.extra = sim_extra(engine, model, hw)
     return result
 
 
-def sim_extra(engine, config: EngineConfig, model, hw, tp: int) -> dict:
-    ex = engine.executor
-    return {"simulated": True, "model": model.name, "hardware": hw.name, "tp": tp,
-            "num_kv_blocks": ex.num_kv_blocks, "block_size": config.block_size,
-            "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-            "busy_s": ex.busy_time}
+def sim_extra(engine, model, hw) -> dict:
+    c = engine.config
+    return {"simulated": True, "model": model.name, "hardware": hw.name,
+            "tp": c.parallel_config.tensor_parallel_size, "num_kv_blocks": engine.executor.num_kv_blocks,
+            "block_size": c.cache_config.block_size, "max_num_seqs": c.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": c.scheduler_config.max_num_batched_tokens, "busy_s": engine.executor.busy_time}
 
 
 # ---------------------------------------------------------------- the bench, simulated
@@ -162,29 +146,37 @@ def run_simulation(args: argparse.Namespace) -> int:
         raise ValueError("--sweep is a bench option; for a search over engine settings use `iterserve tune`")
     model, hw = resolve(args)
     trace = bench_cli.trace_from_args(args)
-    kw = {**bench_cli.engine_kwargs_from_args(args), **extra_engine_kwargs(args)}
-    kw["model"] = model.name
+    kw = {**bench_cli.engine_kwargs_from_args(args), "model": model.name}
     built: list = []
-
-    def factory(scheduling: str, engine_kwargs: dict):
-        built.append(make_engine(EngineConfig(**{**engine_kwargs, "scheduling": scheduling}), model, hw, args.tp,
-                                 args.gpu_memory_utilization))
-        return built[-1]
+    factory = engine_factory(model, hw, built)
+    tp = args.tensor_parallel_size
 
     print(f"$ iterserve simulate {shlex.join(args.argv)}")
-    results = run_targets(trace, targets, kw, progress=False, engine_factory=factory)
+    replicas = args.data_parallel_size
+    if replicas != 1 or args.router:
+        from iterserve.sim.cluster import run_cluster_targets
+        results = run_cluster_targets(trace, targets, kw, factory, replicas, args.router or "prefix-affinity",
+                                      args.seed)
+        built = built[::replicas]  # one engine per target describes them all
+    else:
+        results = run_targets(trace, targets, kw, progress=False, engine_factory=factory)
     for result, engine in zip(results, built):
-        result.extra.update(sim_extra(engine, engine.config, model, hw, args.tp))
+        result.extra.update(sim_extra(engine, model, hw))
     if args.save_trace:
         trace.save(args.save_trace)
     config = bench_cli._config(args, trace, kw)
-    config["simulator"] = {"model": model.name, "hardware": hw.to_json(), "tp": args.tp,
+    config["simulator"] = {"model": model.name, "hardware": hw.to_json(), "tp": tp,
                            "num_kv_blocks": built[0].executor.num_kv_blocks if built else None}
     report = build_report(config, results, Slo(args.slo_ttft, args.slo_tpot, args.slo_e2e))
-    print(f"simulated: {model.name} on {args.tp} x {hw.name}, {config['simulator']['num_kv_blocks']} KV blocks; "
+    print(f"simulated: {model.name} on {tp} x {hw.name}, {config['simulator']['num_kv_blocks']} KV blocks; "
           f"modelled seconds, not wall time")
     print(bench_cli._trace_line(trace))
     print(format_table(report))
+    for r in results:
+        if "replicas" in r.extra:
+            per = r.extra["requests_per_replica"]
+            print(f"{r.name}: prefix cache hit rate {r.extra['prefix_hit_rate']:.1%}, "
+                  f"requests per replica {min(per)}..{max(per)}")
     bench_cli._write(report, args.json)
     if args.plot:
         from iterserve.bench.plots import plot_all
@@ -194,23 +186,27 @@ def run_simulation(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- main
-# ---------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
     """The bench's parser (workload, engine, SLO and output flags) plus the modelled system."""
     from iterserve.bench.cli import build_parser as bench_parser
     p = bench_parser()
     p.prog, p.description = "iterserve simulate", __doc__
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.set_defaults(no_progress=True)
     for action in p._actions:
         if action.dest == "model":
             action.help = (f"preset ({', '.join(PRESET_CONFIGS)}), HF dir / config.json or .gguf "
                            "(default: llama-2-7b; smollm2-135m on cpu-local)")
-    add_model_args(p, with_model=False)
-    p.add_argument("--step-time", action="store_true", help="print the modelled decode step time per batch size")
-    p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--context-len", type=int, default=256)
+    add_model_args(p)
+    from iterserve.router.policy import POLICIES
+    c = p.add_argument_group("replicas (data parallel)")
+    c.add_argument("--replicas", dest="data_parallel_size", type=int, default=argparse.SUPPRESS,
+                   help="the same as --data-parallel-size: engines behind one router, each on its own GPU(s)")
+    c.add_argument("--router", choices=POLICIES, default=None, help="routing policy (default: prefix-affinity)")
+    g = p.add_argument_group("step time")
+    g.add_argument("--step-time", action="store_true", help="print the modelled decode step time per batch size")
+    g.add_argument("--batch-sizes", default="1,8,32", help="with --step-time")
+    g.add_argument("--context-len", type=int, default=256, help="with --step-time")
     return p
 
 
@@ -223,5 +219,4 @@ def main(argv: list[str] | None = None) -> int:
             return run_step_time(args)
         return run_simulation(args)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"iterserve simulate: error: {exc}", file=sys.stderr)
-        return 2
+        fail(str(exc))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from iterserve.executor.base import num_blocks_for
 from iterserve.scheduler.output import SchedulerOutput
 from iterserve.sim.hardware import HardwareSpec
 from iterserve.sim.model_spec import ModelSpec
@@ -72,9 +73,9 @@ class CostModel:
         return self.breakdown(q_lens, ctx_lens).total_s
 
     def breakdown(self, q_lens: list[int], ctx_lens: list[int],
-                  swap_blocks: int = 0, copy_blocks: int = 0, block_size: int = 16) -> StepBreakdown:
+                  swap_blocks: int = 0, block_size: int = 16) -> StepBreakdown:
         if not q_lens:
-            return StepBreakdown(0.0, 0.0, 0.0, 0.0, self.transfer_time(swap_blocks, copy_blocks, block_size))
+            return StepBreakdown(0.0, 0.0, 0.0, 0.0, self.transfer_time(swap_blocks, block_size))
         tokens = sum(q_lens)
         # (query, key) pairs: a decode token sees its whole context; a chunk is causal within itself
         pairs = sum(ctx if q == 1 else q * (ctx - q + (q + 1) / 2) for q, ctx in zip(q_lens, ctx_lens))
@@ -90,13 +91,11 @@ class CostModel:
             allreduce = self.allreduce_count * (self.hw.allreduce_latency_s + tokens
                                                 * self.allreduce_bytes_per_token / self.hw.interconnect_bandwidth)
         return StepBreakdown(linear, attention, overhead, allreduce,
-                             self.transfer_time(swap_blocks, copy_blocks, block_size))
+                             self.transfer_time(swap_blocks, block_size))
 
-    def transfer_time(self, swap_blocks: int, copy_blocks: int, block_size: int) -> float:
-        """Swap moves blocks over the host link (each GPU its own shard, in parallel); a copy
-        reads and writes a block in device memory."""
-        block_bytes = block_size * self.kv_bytes_per_token
-        return swap_blocks * block_bytes / self.hw.host_link_bandwidth + 2 * copy_blocks * block_bytes / self.kv_bw
+    def transfer_time(self, swap_blocks: int, block_size: int) -> float:
+        """Swap moves blocks over the host link (each GPU its own shard, in parallel)."""
+        return swap_blocks * block_size * self.kv_bytes_per_token / self.hw.host_link_bandwidth
 
     def plan_time(self, plan: SchedulerOutput) -> float:
         """The hot path of the simulator: one pass over the scheduled requests."""
@@ -119,8 +118,8 @@ class CostModel:
             if self.allreduce_count:
                 t += self.allreduce_count * (self.hw.allreduce_latency_s + tokens
                                              * self.allreduce_bytes_per_token / self.hw.interconnect_bandwidth)
-        if plan.swap_out or plan.swap_in or plan.copy_blocks:
-            t += self.transfer_time(len(plan.swap_out) + len(plan.swap_in), len(plan.copy_blocks), plan.block_size)
+        if plan.swap_out or plan.swap_in:
+            t += self.transfer_time(len(plan.swap_out) + len(plan.swap_in), plan.block_size)
         return t
 
     # ------------------------------------------------------------ convenience
@@ -151,4 +150,4 @@ class CostModel:
             raise ValueError(f"{self.model.name} (tp={self.tp}) does not fit on {self.hw.name}: "
                              f"weights {self.model.weight_bytes / self.tp / 1e9:.1f} GB per GPU of "
                              f"{self.hw.memory_bytes * gpu_memory_utilization / 1e9:.1f} GB usable")
-        return int(free // block_bytes)
+        return num_blocks_for(free, block_bytes)

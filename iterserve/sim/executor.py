@@ -2,6 +2,7 @@
 virtual clock that jumps by each step's modelled time instead of waiting for it."""
 from __future__ import annotations
 
+from iterserve.executor.base import KVCacheSpec, bytes_per_block, num_blocks_for
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.hardware import HardwareSpec
@@ -34,29 +35,42 @@ class VirtualClock:
 
 
 class SimulatedExecutor:
-    """Satisfies the executor protocol. Output tokens are placeholders (token id `token_id`):
+    """Satisfies the executor contract. Output tokens are placeholders (token id `token_id`):
     the bench sets max_tokens to the trace's output length with ignore_eos, so requests finish
     exactly where the trace says, and no EOS or tokenizer exists here."""
 
-    eos_token_id = None
+    eos_token_ids = frozenset()
     tokenizer = None
+    vocab_size = None
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tp: int = 1, num_kv_blocks: int | None = None,
                  block_size: int = 16, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, num_host_blocks: int = 0, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, swap_space: int = 0, max_model_len: int | None = None,
                  clock: VirtualClock | None = None, token_id: int = 0, kv_cache_memory: int = 1 << 30):
         self.cost = CostModel(model, hardware, tp)
         self.model, self.hardware, self.tp = model, hardware, tp
+        # Per device: under TP each GPU holds (and swaps) its share of the KV heads.
+        kv_heads = -(-model.num_kv_heads // min(tp, model.num_kv_heads))
+        block_bytes = bytes_per_block(model.num_layers, block_size, kv_heads, model.head_dim, model.dtype_bytes)
         if num_kv_blocks is None and hardware.kind == "cpu":  # the CPU engine's rule: a fixed byte budget
-            num_kv_blocks = max(1, kv_cache_memory // (block_size * model.kv_bytes_per_token))
-        self.num_kv_blocks = num_kv_blocks or self.cost.num_kv_blocks(
+            num_kv_blocks = num_blocks_for(kv_cache_memory, block_bytes)
+        num_kv_blocks = num_kv_blocks or self.cost.num_kv_blocks(
             block_size, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
-        self.num_host_blocks = num_host_blocks
+        # Recompute is priced at the modelled speed of one prompt chunk of the step budget.
+        chunk = min(max_num_batched_tokens, 2048)
+        self.kv_cache_spec = KVCacheSpec(
+            block_size, num_kv_blocks, int(swap_space // block_bytes), model.num_layers, kv_heads,
+            model.head_dim, _DTYPE_NAMES[model.dtype_bytes], swap_bytes_per_s=hardware.host_link_bandwidth,
+            recompute_tokens_per_s=chunk / self.cost.prefill_time(chunk))
         self.max_model_len = max_model_len or model.max_model_len
         self.clock = clock or VirtualClock()
         self.token_id = token_id
         self.num_steps = 0
         self.busy_time = 0.0  # modelled seconds spent in steps (the rest of the clock is idle)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_cache_spec.num_device_blocks
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
         dt = self.cost.plan_time(plan)
@@ -66,12 +80,8 @@ class SimulatedExecutor:
         tok = self.token_id
         return StepResult(sampled=[tok if s.sample else -1 for s in plan.scheduled], step_time=dt)
 
-    # the real runner owns device state; the engine may call these, and here there is nothing to do
     def shutdown(self) -> None:
-        pass
+        """No device state to release."""
 
 
-def host_blocks_for(swap_space_bytes: int, model: ModelSpec, block_size: int, tp: int = 1) -> int:
-    """Host swap pool in blocks, the way --swap-space sizes it: bytes per GPU / bytes per block."""
-    block_bytes = block_size * model.kv_bytes_per_token / min(tp, model.num_kv_heads)
-    return int(swap_space_bytes // block_bytes)
+_DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "int8"}

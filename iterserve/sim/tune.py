@@ -19,7 +19,8 @@ from pathlib import Path
 
 from iterserve.bench.metrics import Slo, summarize
 from iterserve.config import EngineConfig
-from iterserve.sim.cli import add_model_args, extra_engine_kwargs, resolve, simulate_trace
+from iterserve.entrypoints.args import HelpFormatter, add_engine_args, fail
+from iterserve.sim.cli import add_model_args, resolve, simulate_trace
 
 _SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0}
 
@@ -51,19 +52,20 @@ class TunePoint:
     e2e_p99: float | None
     preemptions: int
     frontier: bool = False
+    met_share: float = 0.0  # share of the trace's requests that met every SLO
 
 
-def search(trace, model, hw, slo: Slo, seqs: list[int], budgets: list[int], tp: int = 1,
-           gpu_memory_utilization: float = 0.9, base: dict | None = None) -> list[TunePoint]:
+def search(trace, model, hw, slo: Slo, seqs: list[int], budgets: list[int],
+           base: dict | None = None) -> list[TunePoint]:
     """Every (max_num_seqs, max_num_batched_tokens) pair on the same trace, best goodput first."""
     points = []
     for s in seqs:
         for b in budgets:
             config = EngineConfig(**{**(base or {}), "max_num_seqs": s, "max_num_batched_tokens": b})
-            res = summarize(simulate_trace(trace, config, model, hw, tp, gpu_memory_utilization), slo,
-                            per_request=False)
+            res = summarize(simulate_trace(trace, config, model, hw), slo, per_request=False)
             points.append(TunePoint(s, b, res["goodput_rps"], res["output_tokens_per_s"], res["ttft_s"]["p99"],
-                                    res["tpot_s"]["p99"], res["e2e_s"]["p99"], res["preemptions"]))
+                                    res["tpot_s"]["p99"], res["e2e_s"]["p99"], res["preemptions"],
+                                    met_share=res["goodput_rps"] * res["duration_s"] / max(1, len(trace))))
     mark_frontier(points)
     return sorted(points, key=lambda p: (-p.goodput_rps, p.e2e_p99 or 0.0))
 
@@ -90,17 +92,19 @@ def format_points(points: list[TunePoint]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from iterserve.bench.cli import build_parser as bench_parser
-    p = bench_parser()
-    p.prog, p.description = "iterserve tune", __doc__
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    for action in p._actions:  # SLOs with units: 1s, 100ms
-        if action.dest in ("slo_ttft", "slo_tpot", "slo_e2e"):
-            action.type = parse_seconds
-    p.add_argument("--rate", dest="request_rate", type=float, help="requests/s (same as --request-rate)")
-    p.add_argument("--search-max-num-seqs", type=_ints, default=_ints("8,16,32,64,128,256"))
-    p.add_argument("--search-max-num-batched-tokens", type=_ints, default=_ints("512,1024,2048,4096,8192"))
-    add_model_args(p, with_model=False)
+    from iterserve.bench.cli import add_slo_args, add_workload_args
+    p = argparse.ArgumentParser(prog="iterserve tune", description=__doc__, formatter_class=HelpFormatter)
+    add_workload_args(p)
+    add_engine_args(p, exclude={"seed", "scheduling", "max_num_seqs", "max_num_batched_tokens"})
+    add_slo_args(p, seconds=parse_seconds)
+    add_model_args(p)
+    g = p.add_argument_group("search")
+    g.add_argument("--rate", dest="request_rate", type=float, help="requests/s (same as --request-rate)")
+    g.add_argument("--search-max-num-seqs", type=_ints, default="8,16,32,64,128,256",
+                   help="max-num-seqs values to try")
+    g.add_argument("--search-max-num-batched-tokens", type=_ints, default="512,1024,2048,4096,8192",
+                   help="max-num-batched-tokens values to try")
+    g.add_argument("--json", default=None, help="write every point to this path")
     return p
 
 
@@ -108,27 +112,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     if args.slo_ttft is None and args.slo_tpot is None and args.slo_e2e is None:
-        print("iterserve tune: error: give at least one SLO (--slo-ttft, --slo-tpot, --slo-e2e)", file=sys.stderr)
-        return 2
+        fail("give at least one SLO (--slo-ttft, --slo-tpot, --slo-e2e)")
     if not args.request_rate and not args.concurrency and not args.trace:
-        print("iterserve tune: error: give a load (--rate R, --concurrency C or --trace)", file=sys.stderr)
-        return 2
-    from iterserve.bench.cli import trace_from_args
+        fail("give a load (--rate R, --concurrency C or --trace)")
+    from iterserve.bench.cli import engine_kwargs_from_args, trace_from_args
     try:
         model, hw = resolve(args)
         trace = trace_from_args(args)
         slo = Slo(args.slo_ttft, args.slo_tpot, args.slo_e2e)
-        base = {k: v for k, v in {"num_kv_blocks": args.num_kv_blocks, "block_size": args.block_size}.items() if v}
-        base.update(extra_engine_kwargs(args))
+        base = {**engine_kwargs_from_args(args), "model": model.name}
         print(f"$ iterserve tune {shlex.join(argv)}")
-        print(f"simulated: {model.name} on {args.tp} x {hw.name}; {len(trace)} requests at "
+        print(f"simulated: {model.name} on {args.tensor_parallel_size} x {hw.name}; {len(trace)} requests at "
               f"{args.request_rate or '-'} req/s; SLO TTFT {_s(args.slo_ttft)}, TPOT {_s(args.slo_tpot)}, "
               f"e2e {_s(args.slo_e2e)}")
-        points = search(trace, model, hw, slo, args.search_max_num_seqs, args.search_max_num_batched_tokens,
-                        args.tp, args.gpu_memory_utilization, base)
+        points = search(trace, model, hw, slo, args.search_max_num_seqs, args.search_max_num_batched_tokens, base)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"iterserve tune: error: {exc}", file=sys.stderr)
-        return 2
+        fail(str(exc))
     print(format_points(points))
     best = points[0]
     print(f"best: --max-num-seqs {best.max_num_seqs} --max-num-batched-tokens {best.max_num_batched_tokens} "

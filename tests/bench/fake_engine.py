@@ -2,6 +2,9 @@
 plus a little per token, so continuous vs static differ only in scheduling, as in the real one."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from iterserve.config import EngineConfig
 from iterserve.outputs import RequestOutput, StepRecord
 from iterserve.request import RequestTimes
 from iterserve.sampling_params import SamplingParams
@@ -39,7 +42,9 @@ class FakeEngine:
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
         self.step_records: list[StepRecord] = []
-        self.num_preemptions = 0
+        self.config = EngineConfig(max_num_seqs=max_num_seqs, scheduling=scheduling)
+        self.stats = SimpleNamespace(num_preemptions=0, num_kv_blocks=0)  # the fields the bench reads
+        self.executor = SimpleNamespace(kv_cache_spec=SimpleNamespace(dtype="none"))
         self.arrivals: list[tuple[str, float, float]] = []  # (id, arrival_time given, clock when added)
 
     def add_request(self, prompt, params: SamplingParams, request_id=None, arrival_time=None, priority=0) -> str:

@@ -105,9 +105,8 @@ def test_swap_out_and_in_restores_the_cache(runner):
     before = runner.kv_cache[:, :, [3, 5]].clone()
     runner.execute(SchedulerOutput(block_size=BS, swap_out=[(3, 0), (5, 1)]))
     runner.kv_cache[:, :, [3, 5]] = 0
-    runner.execute(SchedulerOutput(block_size=BS, swap_in=[(0, 3), (1, 5)], copy_blocks=[(3, 100)]))
+    runner.execute(SchedulerOutput(block_size=BS, swap_in=[(0, 3), (1, 5)]))
     assert torch.equal(runner.kv_cache[:, :, [3, 5]], before)
-    assert torch.equal(runner.kv_cache[:, :, 100], before[:, :, 0])
 
 
 def test_seeded_sampling_is_independent_of_the_batch(runner):
@@ -128,7 +127,9 @@ def test_seeded_sampling_is_independent_of_the_batch(runner):
 
 
 def test_attributes(runner):
-    assert runner.num_kv_blocks == 128 and runner.num_host_blocks == 8 * 2**20 // runner.bytes_per_block
-    assert runner.eos_token_id == 2 and runner.max_model_len == 8192
+    spec = runner.kv_cache_spec
+    assert spec.num_device_blocks == 128 and spec.num_host_blocks == 8 * 2**20 // spec.bytes_per_block
+    assert spec.bytes_per_block == 2 * 30 * BS * 3 * 64 * 4 and spec.dtype == "float32"
+    assert 2 in runner.eos_token_ids and runner.max_model_len == 8192 and runner.vocab_size == 49152
     assert runner.dtype == torch.float32 and runner.device.type == "cpu"
     assert runner.kv_cache.shape == (30, 2, 128, BS, 3, 64)

@@ -26,7 +26,7 @@ def test_small_pool_preempts_and_outputs_are_unchanged():
     for rid, p in prompts.items():
         engine.add_request(p, SamplingParams(max_tokens=14), request_id=rid)
     done = run(engine)
-    assert engine.num_preemptions > 0
+    assert engine.stats.num_preemptions > 0
     assert all(done[r] == reference_output(p, 14) for r, p in prompts.items())
     assert engine.scheduler.kv.pool.num_free_blocks == 12
 
@@ -76,16 +76,16 @@ def test_abort_frees_blocks():
     rid = engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=50))
     engine.step()
     assert engine.scheduler.kv.pool.num_free_blocks < 8
-    out = engine.abort_request(rid)
+    [out] = engine.abort_request(rid)
     assert out.finished and out.finish_reason == "abort"
     assert engine.scheduler.kv.pool.num_free_blocks == 8 and not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("mode", ["swap", "auto"])
 def test_swap_preemption_resumes_without_recompute(mode):
-    ex = FakeExecutor(num_kv_blocks=12, block_size=4, num_host_blocks=32)
-    engine = Engine(EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, preemption_mode=mode,
-                                 recompute_tokens_per_s=1.0), executor=ex)
+    ex = FakeExecutor(num_kv_blocks=12, block_size=4, num_host_blocks=32, recompute_tokens_per_s=1.0)
+    engine = Engine(EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, preemption_mode=mode),
+                    executor=ex)
     prompts = {f"r{i}": [i + 1] * 10 for i in range(6)}
     for rid, p in prompts.items():
         engine.add_request(p, SamplingParams(max_tokens=14), request_id=rid)
@@ -106,7 +106,7 @@ def test_swap_falls_back_to_recompute_when_host_pool_is_full():
     for i in range(6):
         engine.add_request([i + 1] * 10, SamplingParams(max_tokens=14), request_id=f"r{i}")
     run(engine)
-    assert engine.num_preemptions > 0 and not any(p.swap_out for p in ex.plans)
+    assert engine.stats.num_preemptions > 0 and not any(p.swap_out for p in ex.plans)
 
 
 def test_priority_preemption_serves_high_priority_first():
@@ -141,22 +141,26 @@ def test_aging_lets_old_low_priority_requests_through():
     assert order.index("old-low") < order.index("new-high")
 
 
-def test_parallel_sampling_shares_prompt_blocks_and_copies_the_partial_one():
+def test_parallel_sampling_computes_the_prompt_once_through_the_prefix_cache():
     ex = FakeExecutor(num_kv_blocks=32, block_size=4)
     engine = Engine(EngineConfig(block_size=4, max_num_seqs=8), executor=ex)
-    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + a partial one at the fork point (9 computed)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full blocks + a partial one
     rid = engine.add_request(prompt, SamplingParams(max_tokens=5, n=3), request_id="p")
-    engine.step()  # parent computes 9 prompt tokens
-    engine.step()  # fork: siblings share 2 full blocks, each copies the partial third
+    engine.step()  # the first child computes the prompt; its siblings wait for that prefix
+    assert [(s.request_id, s.num_new_tokens) for s in ex.plans[0].scheduled] == [("p#0", 10)]
+    engine.step()  # the siblings find the 2 full blocks cached and compute their last 2 tokens
+    assert sorted((s.request_id, s.num_new_tokens) for s in ex.plans[1].scheduled) == \
+        [("p#0", 1), ("p#1", 2), ("p#2", 2)]
     tables = {r.request_id: engine.scheduler.kv.block_table(r.request_id) for r in engine.scheduler.running}
-    assert set(tables) == {"p", "p#1", "p#2"}
-    assert tables["p"][:2] == tables["p#1"][:2] == tables["p#2"][:2]
-    assert len({t[2] for t in tables.values()}) == 3
-    assert [c[0] for c in ex.plans[-1].copy_blocks] == [tables["p"][2]] * 2
-    assert engine.scheduler.kv.pool.blocks[tables["p"][0]].ref_cnt == 3
-    done = run(engine)
-    assert set(done) == {"p", "p#1", "p#2"} and all(len(t) == 5 for t in done.values())
-    assert rid == "p" and engine.scheduler.kv.pool.num_free_blocks == 32
+    assert tables["p#0"][:2] == tables["p#1"][:2] == tables["p#2"][:2]
+    assert len({t[2] for t in tables.values()}) == 3, "each sequence writes its own partial block"
+    assert engine.scheduler.kv.pool.blocks[tables["p#0"][0]].ref_cnt == 3
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.finished]
+    assert sorted(o.index for o in outputs) == [0, 1, 2] and {o.parent_id for o in outputs} == {rid}
+    assert all(o.token_ids == reference_output(prompt, 5) for o in outputs)
+    assert engine.scheduler.kv.pool.num_free_blocks == 32 and not engine.parents and not engine.states
 
 
 def test_abort_of_a_parallel_request_aborts_every_sequence():
@@ -164,8 +168,9 @@ def test_abort_of_a_parallel_request_aborts_every_sequence():
     engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=50, n=4), request_id="p")
     engine.step()
     engine.step()
-    engine.abort_request("p")
-    assert not engine.has_unfinished() and not engine.states
+    outs = engine.abort_request("p")
+    assert sorted(o.index for o in outs) == [0, 1, 2, 3] and all(o.finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished() and not engine.states and not engine.parents
     assert engine.scheduler.kv.pool.num_free_blocks == 32
 
 
@@ -174,11 +179,19 @@ def test_abort_reaches_siblings_after_one_has_finished():
     engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=50, n=3), request_id="p")
     engine.step()
     engine.step()
-    engine.scheduler.finish_request("p#1", RequestStatus.FINISHED_STOPPED)  # sibling 1 ends early
-    engine.states.pop("p#1")
-    engine.abort_request("p")
-    assert not engine.has_unfinished() and not engine.states
+    assert [o.request_id for o in engine.abort_request("p#1")] == ["p#1"]  # one sequence ends early
+    assert sorted(o.request_id for o in engine.abort_request("p")) == ["p#0", "p#2"]
+    assert not engine.has_unfinished() and not engine.states and not engine.parents
     assert engine.scheduler.kv.pool.num_free_blocks == 32
+
+
+def test_a_rejected_parallel_request_leaves_nothing_behind():
+    engine = Engine(EngineConfig(block_size=4), executor=FakeExecutor(num_kv_blocks=32, block_size=4,
+                                                                       max_model_len=16))
+    with pytest.raises(ValueError, match="prompt has 20 tokens"):
+        engine.add_request(list(range(1, 21)), SamplingParams(n=3), request_id="p")
+    assert not engine.has_unfinished() and not engine.states and not engine.parents
+    engine.add_request([1, 2], SamplingParams(n=2), request_id="p")  # the id is free again
 
 
 def test_requests_sharing_an_uncached_prefix_compute_it_once():

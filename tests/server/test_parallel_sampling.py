@@ -8,6 +8,7 @@ import pytest
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.llm import apply_chat_template
+from iterserve.sampling_params import SamplingParams
 from tests.server.conftest import MODEL, metric, no_leaks, start_server, wait_for
 
 CHAT = [{"role": "user", "content": "Name a colour."}]
@@ -112,3 +113,20 @@ def test_seeded_n_gives_distinct_reproducible_choices_on_the_real_model(real_cli
     chat = real_client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=3, seed=7,
                                                temperature=1.0)
     assert [c.index for c in chat.choices] == [0, 1, 2] and 3 <= chat.usage.completion_tokens <= 18
+
+
+def test_llm_generate_and_chat_return_n_outputs_per_prompt(default_model_path):
+    """Regression: LLM.generate with n=2 raised KeyError and left requests in the engine."""
+    from iterserve.llm import LLM
+    llm = LLM(default_model_path, num_kv_blocks=128, max_num_seqs=8)
+    params = SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=3, ignore_eos=True)
+    outs = llm.generate(["The sky is", "My name is", "One, two,"], params)
+    assert [(o.parent_id is not None, o.index) for o in outs] == [(True, 0), (True, 1)] * 3
+    assert len({o.parent_id for o in outs}) == 3 and all(len(o.token_ids) == 5 for o in outs)
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids != outs[2].prompt_token_ids
+    assert outs[0].token_ids != outs[1].token_ids  # siblings draw from their own seeds
+    chat = llm.chat([{"role": "user", "content": "Hi"}], params)
+    assert [o.index for o in chat] == [0, 1]
+    mixed = llm.generate(["a", "b"], [SamplingParams(max_tokens=2), params])
+    assert [o.index for o in mixed] == [0, 0, 1]
+    assert not llm.engine.has_unfinished() and not llm.engine.states and not llm.engine.parents

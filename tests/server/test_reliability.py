@@ -225,11 +225,13 @@ def test_serve_binds_loopback_by_default():
 
 
 def test_no_route_serves_files(fake_server):
-    """The whole surface: nothing takes a path or file name (no static files, no model loading by URL)."""
+    """The whole surface: nothing takes a path or file name (no static directory, no model loading by URL;
+    the dashboard is two fixed files read from the package)."""
     app = fake_server.uvicorn_server.config.app
     paths = {route.path for route in app.routes}
     assert paths == {"/health", "/version", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions",
-                     "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+                     "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+                     "/dashboard", "/dashboard.js", "/v1/dashboard", "/v1/diagnostics"}
     assert httpx.get(fake_server.url + "/../../etc/passwd").status_code == 404
 
 

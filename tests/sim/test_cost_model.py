@@ -83,7 +83,7 @@ def test_tensor_parallel_splits_weights_and_adds_allreduce():
 def test_swap_priced_at_host_link_bandwidth():
     cm = CostModel(get_model_spec("llama-2-7b"), get_hardware("a100-80gb"))
     block_bytes = 16 * cm.kv_bytes_per_token
-    assert cm.transfer_time(10, 0, 16) == pytest.approx(10 * block_bytes / cm.hw.host_link_bandwidth)
+    assert cm.transfer_time(10, 16) == pytest.approx(10 * block_bytes / cm.hw.host_link_bandwidth)
 
 
 def test_kv_pool_size_like_a_gpu_engine():
@@ -112,7 +112,7 @@ def test_plan_time_fast_path_agrees_with_breakdown():
         cm = CostModel(get_model_spec(model), get_hardware(hw), tp)
         reqs = [ScheduledRequest("a", [1] * 300, 256, [], False, p), ScheduledRequest("b", [1], 999, [], True, p),
                 ScheduledRequest("c", [1] * 64, 0, [], True, p)]
-        plan = SchedulerOutput(reqs, 16, swap_out=[(1, 2)] * 3, swap_in=[(4, 5)] * 2, copy_blocks=[(6, 7)])
-        expected = cm.breakdown([300, 1, 64], [556, 1000, 64], swap_blocks=5, copy_blocks=1, block_size=16).total_s
+        plan = SchedulerOutput(reqs, 16, swap_out=[(1, 2)] * 3, swap_in=[(4, 5)] * 2)
+        expected = cm.breakdown([300, 1, 64], [556, 1000, 64], swap_blocks=5, block_size=16).total_s
         assert cm.plan_time(plan) == pytest.approx(expected)
-        assert cm.plan_time(SchedulerOutput([], 16, swap_in=[(0, 1)])) == pytest.approx(cm.transfer_time(1, 0, 16))
+        assert cm.plan_time(SchedulerOutput([], 16, swap_in=[(0, 1)])) == pytest.approx(cm.transfer_time(1, 16))

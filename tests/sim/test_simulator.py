@@ -33,7 +33,8 @@ def test_executor_advances_clock_by_modelled_step_time():
     assert res.sampled == [0, -1]
     assert ex.clock() == pytest.approx(res.step_time)
     assert res.step_time == pytest.approx(CostModel(LLAMA, A100).step_time([20, 8], [20, 8]))
-    assert ex.eos_token_id is None and ex.tokenizer is None and ex.num_kv_blocks == 100
+    assert ex.eos_token_ids == frozenset() and ex.tokenizer is None and ex.num_kv_blocks == 100
+    assert ex.kv_cache_spec.bytes_per_block == 16 * LLAMA.kv_bytes_per_token
 
 
 def test_requests_finish_at_their_trace_length_in_virtual_time():
@@ -109,14 +110,43 @@ def test_step_time_cli_writes_json(tmp_path, capsys):
 
 
 def test_simulate_rejects_targets_it_cannot_model(capsys):
-    assert simulate_main(["--targets", "continuous,hf-static", "--num-requests", "2"]) == 2
-    assert "hf-static" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        simulate_main(["--targets", "continuous,hf-static", "--num-requests", "2"])
+    assert exited.value.code == 2 and "hf-static" in capsys.readouterr().err
 
 
 def test_tensor_parallel_70b_simulates():
     trace = materialize_prompts(make_trace(16, LengthDist("fixed", 256), LengthDist("fixed", 16), seed=0), None)
     model, hw = get_model_spec("llama-3-70b"), get_hardware("h100-sxm")
-    res = summarize(simulate_trace(trace, EngineConfig(max_num_seqs=16), model, hw, tp=4), per_request=False)
+    res = summarize(simulate_trace(trace, EngineConfig(max_num_seqs=16, tensor_parallel_size=4), model, hw),
+                    per_request=False)
     assert res["completed"] == 16
     with pytest.raises(ValueError, match="does not fit"):
-        simulate_trace(trace, EngineConfig(), model, hw, tp=1)
+        simulate_trace(trace, EngineConfig(), model, hw)
+
+
+def _preempting_run(mode: str, hw) -> dict:
+    """A pool too small for the load: requests are preempted, by swap or by recompute."""
+    trace = materialize_prompts(make_trace(60, LengthDist("fixed", 512), LengthDist("fixed", 256),
+                                           arrivals="poisson", request_rate=20.0, seed=0), None)
+    config = EngineConfig(max_num_seqs=32, num_kv_blocks=400, preemption_mode=mode, swap_space="8GiB")
+    engine = make_engine(config, LLAMA, hw)
+    plans = []
+    execute = engine.executor.execute
+    engine.executor.execute = lambda plan: plans.append(plan) or execute(plan)
+    from iterserve.bench.runner import run_trace
+    result = summarize(run_trace(engine, trace), per_request=False)
+    return {"preemptions": result["preemptions"], "swaps": sum(len(p.swap_out) for p in plans),
+            "tok_s": result["output_tokens_per_s"]}
+
+
+def test_auto_preemption_prices_swap_with_the_modelled_link():
+    """Regression: the simulated executor had no block size in bytes, so swap was priced free and
+    auto behaved exactly like swap. On a slow host link recompute is cheaper: auto must recompute."""
+    slow = type(A100)(**{**A100.to_json(), "host_link_bandwidth": 0.05e9})
+    swap, auto = _preempting_run("swap", slow), _preempting_run("auto", slow)
+    assert swap["preemptions"] > 0 and swap["swaps"] > 0
+    assert auto["preemptions"] > 0 and auto["swaps"] == 0, "recompute is cheaper over a 50 MB/s link"
+    assert auto["tok_s"] > swap["tok_s"]
+    fast_auto, fast_swap = _preempting_run("auto", A100), _preempting_run("swap", A100)
+    assert fast_auto["swaps"] > 0 and fast_auto == fast_swap, "over PCIe a 7B model's KV swaps cheaper"

@@ -1,0 +1,28 @@
+"""A snapshot of the engine's state, handed to consumers (server metrics, status line, bench) after each
+step, so none of them reaches into the scheduler or the KV manager."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from iterserve.outputs import StepRecord
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int  # waiting and recompute-preempted requests
+    num_swapped: int  # swap-preempted requests, resumed before anyone new
+    kv_usage: float  # fraction of device KV blocks in use
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_preemptions: int  # since start
+    num_prefix_queries: int  # prompt tokens looked up in the prefix cache, since start
+    num_prefix_hits: int  # of those, tokens found cached
+    num_steps: int
+    max_model_len: int
+    last_step: StepRecord | None  # the latest step's record (batch, tokens, timing)
+
+    @property
+    def num_queued(self) -> int:
+        """Everyone not running: what a queue-length limit counts."""
+        return self.num_waiting + self.num_swapped
