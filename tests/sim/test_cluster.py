@@ -79,4 +79,4 @@ def test_cli_closed_loop_is_a_clear_error(capsys):
 @pytest.mark.parametrize("bad", ["0", "-1"])
 def test_cli_bad_replica_count(bad, capsys):
     assert simulate(["--num-requests", "10", "--replicas", bad, "--router", "round-robin"]) == 2
-    assert "--replicas must be >= 1" in capsys.readouterr().err
+    assert "data_parallel_size: Input should be greater than or equal to 1" in capsys.readouterr().err

@@ -1,0 +1,170 @@
+"""Prefix-affinity vs round-robin routing over real engine replicas, then the simulator on the same trace.
+
+Tenants each with their own long system prompt send interleaved requests to N replicas on a local
+Ray Serve (`iterserve serve --data-parallel-size N` as an app). For each routing policy: a fresh app
+(cold caches), the trace through the OpenAI endpoint (the bench's http driver), and the prefix-cache
+hit rate from the replicas' reports. Then the simulator's multi-replica mode runs the same trace
+behind the same policy code, and the table gives its error against the real run.
+
+    python benchmarks/multi_tenant.py                       # 8 tenants x 1,024-token prompts, 256 requests
+    python benchmarks/multi_tenant.py --num-requests 16 --system-prompt-len 64 --output-len 4   # a smoke run
+
+The simulator prices steps with a cpu-local profile (`iterserve calibrate`); calibrate it with the
+threads each replica gets (--num-threads), or its step times will not be this run's.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+
+import httpx
+
+from iterserve.bench.metrics import summarize
+from iterserve.bench.runner import run_http
+from iterserve.bench.workload import multi_tenant_trace
+from iterserve.config import EngineConfig
+from iterserve.engine import Engine
+from iterserve.model.loader import default_model_path, load_tokenizer
+from iterserve.router.policy import POLICIES, make_router
+from iterserve.sim.cli import make_engine, resolve
+from iterserve.sim.cluster import run_cluster
+
+MODEL_NAME = "multi-tenant"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--policies", default="prefix-affinity,round-robin")
+    p.add_argument("--num-tenants", type=int, default=8)
+    p.add_argument("--system-prompt-len", type=int, default=1024)
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--user-len", type=int, default=64, help="each request's own tokens after the system prompt")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals (default: all at once)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory", default="256MiB", help="per replica; small enough that a replica "
+                   "cannot keep every tenant's prompt is where routing shows")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
+    p.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    p.add_argument("--hardware-profile", default=None, help="cpu-local profile for the simulator "
+                   "(default: iterserve calibrate's)")
+    p.add_argument("--json", default=None, help="write every figure here")
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {"model": args.model, "kv_cache_memory": args.kv_cache_memory, "max_num_seqs": args.max_num_seqs,
+            "num_threads": args.num_threads}
+
+
+def hit_rate(url: str) -> float:
+    stats = httpx.get(f"{url}/health", timeout=30).json()["replicas"].values()
+    queries = sum(s["num_prefix_queries"] for s in stats)
+    return sum(s["num_prefix_hits"] for s in stats) / queries if queries else 0.0
+
+
+def real_run(args: argparse.Namespace, trace, policy: str, port: int) -> dict:
+    """A fresh app per policy, so every policy starts from cold caches."""
+    from ray import serve
+
+    from iterserve.server.ray_app import build_ray_app, wait_until_ready
+    config = EngineConfig(**engine_kwargs(args))
+    app = build_ray_app(functools.partial(Engine, config), args.replicas, MODEL_NAME, policy=policy,
+                        block_size=config.cache_config.block_size, num_cpus_per_replica=args.num_cpus_per_replica)
+    serve.run(app, blocking=False)
+    try:
+        wait_until_ready(600)
+        url = f"http://127.0.0.1:{port}"
+        result = run_http(trace, url, MODEL_NAME)
+        expected = sum(r.prompt_len for r in trace.requests)
+        deadline = time.monotonic() + 10  # the replicas' reports arrive on Ray's stats poll
+        while time.monotonic() < deadline and _queries(url) < expected:
+            time.sleep(0.2)
+        return {**_figures(summarize(result, per_request=False)), "prefix_hit_rate": hit_rate(url)}
+    finally:
+        serve.delete("default")
+
+
+def _queries(url: str) -> int:
+    return sum(s["num_prefix_queries"] for s in httpx.get(f"{url}/health", timeout=30).json()["replicas"].values())
+
+
+def simulated_run(args: argparse.Namespace, trace, policy: str) -> dict:
+    model, hw = resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=args.hardware_profile,
+                                           dtype_bytes=None, model=args.model))
+    config = EngineConfig(**{**engine_kwargs(args), "model": None})
+    engines = [make_engine(config, model, hw) for _ in range(args.replicas)]
+    result, stats = run_cluster(engines, trace, make_router(policy, args.seed), f"sim {policy}")
+    return {**_figures(summarize(result, per_request=False)), "prefix_hit_rate": stats.prefix_hit_rate}
+
+
+def _figures(s: dict) -> dict:
+    return {"output_tokens_per_s": s["output_tokens_per_s"], "ttft_mean_s": s["ttft_s"]["mean"],
+            "completed": s["completed"], "failed": s["failed"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; choose from {POLICIES}")
+    import ray
+    from ray import serve
+    os.environ.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tokenizer = load_tokenizer(args.model or default_model_path())
+    trace = multi_tenant_trace(args.num_tenants, args.system_prompt_len, args.num_requests, args.user_len,
+                               args.output_len, args.request_rate, args.seed, tokenizer)
+    port = free_port()
+    rows = {}
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for policy in policies:
+            rows[policy] = {"real": real_run(args, trace, policy, port), "sim": simulated_run(args, trace, policy)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(f"$ python benchmarks/multi_tenant.py {shlex.join(argv)}")
+    print(f"{args.num_tenants} tenants x {args.system_prompt_len}-token system prompts, {args.num_requests} requests "
+          f"({args.user_len} own + {args.output_len} output tokens each), {args.replicas} replicas")
+    head = f"{'policy':<17}{'run':<6}{'hit rate':>9}{'TTFT mean s':>13}{'out tok/s':>11}{'failed':>8}"
+    print(head + f"{'sim err tok/s':>15}{'sim err TTFT':>14}")
+    print("-" * (len(head) + 29))
+    for policy, r in rows.items():
+        for kind in ("real", "sim"):
+            f = r[kind]
+            line = (f"{policy:<17}{kind:<6}{f['prefix_hit_rate']:>9.1%}{f['ttft_mean_s']:>13.3f}"
+                    f"{f['output_tokens_per_s']:>11.1f}{f['failed']:>8}")
+            if kind == "sim":
+                line += (f"{_err(f['output_tokens_per_s'], r['real']['output_tokens_per_s']):>15}"
+                         f"{_err(f['ttft_mean_s'], r['real']['ttft_mean_s']):>14}")
+            print(line)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"argv": argv, "rows": rows}, fh, indent=2)
+    return 0
+
+
+def _err(sim: float | None, real: float | None) -> str:
+    return "-" if not sim or not real else f"{(sim - real) / real:+.1%}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
