@@ -24,6 +24,7 @@ class RequestOutput:
     index: int = 0  # which of the request's n sequences (n > 1: request_id is "<parent>#<index>")
     parent_id: str | None = None  # the id add_request returned
     n: int = 1  # how many sequences its request asked for (metrics count the request once)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (the first: None); None: not asked
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,6 +33,7 @@ class _TextState:
     parent_id: str | None = None
     n: int = 1  # its parent's number of sequences
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # [None (the first token has none), ...]
     num_tokens_sent: int = 0
 
 
@@ -162,6 +163,7 @@ class Engine:
             return [o for s in plan.scheduled if not s.is_padding
                     for o in [self._finish(s.request_id, RequestStatus.FINISHED_ERROR, str(exc))] if o]
         logprobs = self._logprobs_by_request(plan, result)
+        self._add_prompt_logprobs(plan, result)
         outputs = []
         for request in self.scheduler.update(plan, result):
             outputs.append(self._output(request, logprobs.get(request.request_id)))
@@ -197,7 +199,8 @@ class Engine:
         return RequestOutput(
             request.request_id, request.prompt_token_ids, outputs, text, new_tokens, new_text,
             finished, request.status.value if finished else None, request.times,
-            state.logprobs, request.stop_reason, error, state.index, state.parent_id, state.n)
+            state.logprobs, request.stop_reason, error, state.index, state.parent_id, state.n,
+            prompt_logprobs=state.prompt_logprobs)
 
     def _child_finished(self, parent_id: str | None, child_id: str) -> None:
         children = self.parents.get(parent_id) if parent_id is not None else None
@@ -212,6 +215,18 @@ class Engine:
         if request is None or state is None:
             return None
         return self._emit(request, state, error)
+
+    def _add_prompt_logprobs(self, plan, result: StepResult) -> None:
+        """They come chunk by chunk, in order; a prompt recomputed after a preemption repeats them."""
+        for s, lps in zip(plan.scheduled, result.prompt_logprobs or ()):
+            state = self.states.get(s.request_id)
+            if lps is None or state is None:
+                continue
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None]
+            have = len(state.prompt_logprobs) - (s.start_pos + 1)  # of this chunk's, already kept
+            assert have >= 0, (s.request_id, s.start_pos, len(state.prompt_logprobs))
+            state.prompt_logprobs.extend(lps[have:])
 
     @staticmethod
     def _logprobs_by_request(plan, result: StepResult) -> dict[str, TokenLogprobs]:

@@ -21,7 +21,7 @@ from iterserve.config import EngineConfig
 from iterserve.executor.base import KVCacheSpec, num_blocks_for
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.logits_processors import make_adjust
-from iterserve.executor.sampler import make_batch, sample
+from iterserve.executor.sampler import make_batch, prompt_logprobs, sample
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model.loader import (ModelArch, default_model_path, load_model_arch, load_tokenizer,
@@ -223,8 +223,9 @@ class ModelRunner:
         with torch.inference_mode():
             inputs = self._prepare(plan)
             logits = self._run_model(*inputs)
-            sampled, logprobs = self._sample(plan, logits)
-        return StepResult(sampled=sampled, logprobs=logprobs, step_time=time.perf_counter() - t0)
+            sampled, logprobs, prompt_lps = self._sample(plan, logits)
+        return StepResult(sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps,
+                          step_time=time.perf_counter() - t0)
 
     def _run_model(self, ids, pos, kv_cache, md: AttentionMetadata, logits_indices) -> torch.Tensor:
         """A pure-decode batch that fits a captured bucket replays its graph; anything else runs eagerly."""
@@ -268,15 +269,23 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev, torch.int32), max_query_len=max(q_lens),
             max_seq_len=max(seq_lens), query_lens_list=q_lens, seq_lens_list=seq_lens)
-        # logits for every request's last token: padding seats pay for theirs too, as a padded batch would
-        logits_indices = torch.from_numpy(starts[1:] - 1).to(dev)
+        # logits for every request's last token: padding seats pay for theirs too, as a padded batch would;
+        # a request asking for prompt logprobs gets a row for each token of its chunk
+        nrows = _logits_rows(reqs)
+        ends = starts[1:]
+        rows = ends - 1 if nrows is None else np.concatenate([np.arange(e - k, e) for e, k in zip(ends, nrows)])
+        logits_indices = torch.from_numpy(rows).to(dev)
         return (torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), self.kv_cache, md, logits_indices)
 
     def _sample(self, plan: SchedulerOutput, logits: torch.Tensor):
+        prompt_lps, nrows = None, _logits_rows(plan.scheduled)
+        if nrows is not None:  # keep each request's last row for sampling
+            prompt_lps = _prompt_logprobs(plan.scheduled, nrows, logits)
+            logits = logits[torch.from_numpy(np.cumsum(nrows) - 1).to(logits.device)]
         rows = [i for i, r in enumerate(plan.scheduled) if r.sample and not r.is_padding]
         sampled = [-1] * len(plan.scheduled)
         if not rows:
-            return sampled, None
+            return sampled, None, prompt_lps
         reqs = [plan.scheduled[i] for i in rows]
         gens = [self._generator(r) for r in reqs]
         vocab = logits.shape[-1]
@@ -289,7 +298,7 @@ class ModelRunner:
             sampled[i] = tokens[j]
             if lps is not None:
                 logprobs[i] = lps[j]
-        return sampled, logprobs
+        return sampled, logprobs, prompt_lps
 
     def _generator(self, r) -> torch.Generator | None:
         """Reseeded from (seed, output_len) every step: the same draw after a preemption or any batch mix."""
@@ -301,6 +310,33 @@ class ModelRunner:
             g = self._generators[r.request_id] = torch.Generator(device=self.device)
         g.manual_seed((seed + r.output_len * _SEED_MIX) % (1 << 63))
         return g
+
+
+def _num_prompt_logprobs(r: ScheduledRequest) -> int:
+    """How many prompt tokens of this chunk get a logprob (0: not asked): the token at position p + 1
+    from the logits at p, for p in the chunk and before the prompt's last token."""
+    if r.sampling_params.prompt_logprobs is None:
+        return 0
+    return max(0, min(r.seq_len, len(r.prompt_token_ids) - 1) - r.start_pos)
+
+
+def _logits_rows(reqs: list[ScheduledRequest]) -> list[int] | None:
+    """Logits rows per request: its whole chunk if it wants prompt logprobs, else its last token.
+    None when every request has one row (the common case costs nothing)."""
+    if all(r.sampling_params.prompt_logprobs is None for r in reqs) or not any(map(_num_prompt_logprobs, reqs)):
+        return None
+    return [len(r.token_ids) if _num_prompt_logprobs(r) else 1 for r in reqs]
+
+
+def _prompt_logprobs(reqs: list[ScheduledRequest], nrows: list[int], logits: torch.Tensor):
+    out: list = [None] * len(reqs)
+    offset = 0
+    for i, (r, k) in enumerate(zip(reqs, nrows)):
+        if n := _num_prompt_logprobs(r):
+            targets = torch.tensor(r.prompt_token_ids[r.start_pos + 1:r.start_pos + 1 + n], device=logits.device)
+            out[i] = prompt_logprobs(logits[offset:offset + n], targets, r.sampling_params.prompt_logprobs)
+        offset += k
+    return out
 
 
 def _advise_huge_pages(t: torch.Tensor) -> None:

@@ -111,9 +111,20 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, b: SamplingBatch) -> list[TokenLogprobs | None]:
     """From the raw log-softmax (before temperature and filters), as vLLM reports them."""
+    chosen, top = _chosen_and_top(logits, tokens, b.max_logprobs)
+    return [None if n is None else TokenLogprobs(chosen[r], top[r][:n]) for r, n in enumerate(b.logprobs)]
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+    """logits [P, vocab] of prompt positions; targets [P] the prompt token that follows each."""
+    chosen, top = _chosen_and_top(logits.float(), targets, num_top)
+    return [TokenLogprobs(c, t) for c, t in zip(chosen, top)]
+
+
+def _chosen_and_top(logits: torch.Tensor, tokens: torch.Tensor, k: int):
     lp = torch.log_softmax(logits, dim=-1)
     chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
-    top_v, top_i = lp.topk(max(b.max_logprobs, 0), dim=-1) if b.max_logprobs > 0 else (lp[:, :0], lp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    return [None if n is None else TokenLogprobs(chosen[r], list(zip(top_i[r][:n], top_v[r][:n])))
-            for r, n in enumerate(b.logprobs)]
+    if k <= 0:
+        return chosen, [[] for _ in chosen]
+    top_v, top_i = lp.topk(k, dim=-1)
+    return chosen, [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]

@@ -71,8 +71,10 @@ class KVCacheManager:
         """Cached blocks of the request's longest cached prefix, and the tokens they hold.
 
         The last token is never served from the cache, so the step that computes it yields logits.
+        A request that asks for prompt logprobs is served nothing: a cached block has no logits.
         """
-        if not self.pool.enable_caching or request.num_computed_tokens > 0:
+        if not self.pool.enable_caching or request.num_computed_tokens > 0 \
+                or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         bs, tokens = self.block_size, request.token_ids
         hits: list[Block] = []

@@ -33,9 +33,10 @@ from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
-    CompletionResponse, DeltaMessage, ErrorResponse, ModelCard, ModelList, ResponseMessage, TopLogprob,
-    Usage,
+    CompletionResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
+    ModelList, PromptLogprob, ResponseMessage, TokenizeRequest, TokenizeResponse, TopLogprob, Usage,
 )
+from iterserve.server.token_text import TokenText
 
 logger = logging.getLogger("iterserve.server")
 
@@ -64,6 +65,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     async_engine.on_step = metrics.on_step
     engine = async_engine.engine
     tokenizer = engine.tokenizer
+    token_text = TokenText(tokenizer)
     max_model_len = engine.max_model_len
 
     @asynccontextmanager
@@ -113,6 +115,36 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     async def models():
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str):
+        check_model(model_id)
+        return ModelCard(id=served_model_name, max_model_len=max_model_len)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send exactly one of prompt and messages")
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        try:
+            ids = chat_prompt(body.messages) if body.messages is not None else \
+                list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        try:
+            ids = engine.encode(body.tokens) if body.tokens else []
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tokens") from e
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        return DetokenizeResponse(prompt=tokenizer.decode(ids))
+
     @app.get("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -122,6 +154,16 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         if name is not None and name != served_model_name:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
                            "not_found_error", "model")
+
+    def chat_prompt(messages) -> list[int]:
+        from iterserve.llm import apply_chat_template
+        return apply_chat_template(tokenizer, [m.as_template_message() for m in messages])
+
+    def check_context(prompt: list[int], params) -> None:
+        """A max_tokens the context cannot hold is refused, as OpenAI and vLLM do, not cut short."""
+        if len(prompt) < max_model_len and len(prompt) + params.max_tokens > max_model_len:
+            raise ApiError(400, f"max_tokens is {params.max_tokens} and the prompt has {len(prompt)} tokens, "
+                                f"but this model's context holds {max_model_len} tokens", param="max_tokens")
 
     async def start(prompt: str | list[int], body, params) -> RequestStream:
         try:
@@ -138,45 +180,56 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         try:
-            prompt = body.single_prompt()
-            params = body.sampling_params(16, body.logprobs)
+            texts = body.prompt_list()
+            prompts = [engine.encode(p) for p in texts]
+            params = body.completion_params()
         except ValueError as e:
             raise ApiError(400, str(e)) from e
-        stream = await start(prompt, body, params)
+        for p in prompts:
+            check_context(p, params)
+        streams: list[RequestStream] = []
+        try:
+            for p in prompts:
+                streams.append(await start(p, body, params))
+        except ApiError:
+            for s in streams:
+                s.engine.abort(s.request_id)
+            raise
         created, model = int(time.time()), served_model_name
         if body.stream:
-            return _SSEResponse(stream, _completion_chunks(stream, created, model, body.include_usage, tokenizer))
-        outs = await _collect(stream, request)
-        return CompletionResponse(
-            id=stream.request_id, created=created, model=model, usage=_usage(outs),
-            choices=[CompletionChoice(index=out.index, text=out.text, finish_reason=out.finish_reason,
-                                      logprobs=_completion_logprobs(out.logprobs, out.token_ids, tokenizer)
-                                      if params.logprobs is not None else None) for out in outs])
+            return _SSEResponse(streams, _completion_chunks(streams, params.n, created, model, body.include_usage,
+                                                            token_text))
+        groups = await _collect(streams, request)
+        echoed = [t if isinstance(t, str) else tokenizer.decode(t) if body.echo and tokenizer else "" for t in texts]
+        choices = [_completion_choice(i * params.n + out.index, out, body, echoed[i], token_text)
+                   for i, outs in enumerate(groups) for out in outs]
+        return CompletionResponse(id=streams[0].request_id, created=created, model=model, choices=choices,
+                                  usage=_total_usage(groups, count_completion=not body.echo_only))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template")
-        from iterserve.llm import apply_chat_template
         try:
-            prompt = apply_chat_template(tokenizer, [m.as_template_message() for m in body.messages])
+            prompt = chat_prompt(body.messages)
             # Chat's default: generate until the context is full (max(1): the engine reports the
             # prompt as too long, rather than max_tokens as invalid).
             params = body.sampling_params(max(1, max_model_len - len(prompt)), body.num_logprobs())
         except ValueError as e:
             raise ApiError(400, str(e)) from e
+        check_context(prompt, params)
         stream = await start(prompt, body, params)
         created, model = int(time.time()), served_model_name
         if body.stream:
-            return _SSEResponse(stream, _chat_chunks(stream, created, model, body.include_usage, tokenizer,
-                                                     params.n))
-        outs = await _collect(stream, request)
+            return _SSEResponse([stream], _chat_chunks(stream, created, model, body.include_usage, token_text,
+                                                       params.n))
+        outs = (await _collect([stream], request))[0]
         return ChatCompletionResponse(
             id=stream.request_id, created=created, model=model, usage=_usage(outs),
             choices=[ChatChoice(index=out.index, message=ResponseMessage(content=out.text),
                                 finish_reason=out.finish_reason,
-                                logprobs=_chat_logprobs(out.logprobs, out.token_ids, tokenizer)
+                                logprobs=_chat_logprobs(out.logprobs, out.token_ids, token_text)
                                 if params.logprobs is not None else None) for out in outs])
 
     if isinstance(async_engine, AsyncEngine):  # a local engine; the Ray ingress (server/ray_app.py) has none
@@ -204,16 +257,16 @@ def _check_error(out: RequestOutput) -> None:
         raise ApiError(500, f"generation failed: {out.error}", "internal_error")
 
 
-async def _collect(stream: RequestStream, request: Request) -> list[RequestOutput]:
-    """The final output of each sequence (by index), or an abort if the client disconnects first."""
-    async def last() -> list[RequestOutput]:
+async def _collect(streams: list[RequestStream], request: Request) -> list[list[RequestOutput]]:
+    """Per stream, the final output of each sequence (by index); all aborted if the client goes first."""
+    async def last(stream: RequestStream) -> list[RequestOutput]:
         final: dict[int, RequestOutput] = {}
         async for out in stream:
             _check_error(out)
             final[out.index] = out
         return [final[k] for k in sorted(final)]
 
-    task = asyncio.ensure_future(last())
+    task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -221,7 +274,8 @@ async def _collect(stream: RequestStream, request: Request) -> list[RequestOutpu
         gone.cancel()
     if not task.done():
         task.cancel()  # the stream's finally aborts the request
-        stream.engine.abort(stream.request_id)
+        for stream in streams:
+            stream.engine.abort(stream.request_id)
         raise ApiError(499, "client disconnected", "client_closed_request")
     try:
         return task.result()
@@ -238,17 +292,18 @@ class _SSEResponse(StreamingResponse):
     """An SSE stream that aborts its request however the response ends (disconnect included:
     Starlette then cancels the send loop and never closes our generator)."""
 
-    def __init__(self, stream: RequestStream, chunks: AsyncIterator[str]) -> None:
+    def __init__(self, streams: list[RequestStream], chunks: AsyncIterator[str]) -> None:
         super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.stream = stream
+        self.streams = streams
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self.stream.finished:
-                self.stream.finished = True
-                self.stream.engine.abort(self.stream.request_id)
+            for stream in self.streams:
+                if not stream.finished:
+                    stream.finished = True
+                    stream.engine.abort(stream.request_id)
 
 
 def _sse(payload) -> str:
@@ -300,40 +355,103 @@ async def _stream_errors_as_events(chunks: AsyncIterator[str]) -> AsyncIterator[
     yield "data: [DONE]\n\n"
 
 
-def _new_logprobs(out: RequestOutput, sent: dict[int, int], convert, tokenizer):
+def _new_logprobs(out: RequestOutput, key: int, sent: dict[int, int], convert, token_text: TokenText):
     """The logprobs of tokens not yet sent for this choice, or None."""
-    done = sent.get(out.index, 0)
+    done = sent.get(key, 0)
     if not out.logprobs or len(out.logprobs) <= done:
         return None
-    sent[out.index] = len(out.logprobs)
-    return convert(out.logprobs[done:], out.token_ids[done:], tokenizer)
+    sent[key] = len(out.logprobs)
+    return convert(out.logprobs[done:], out.token_ids[done:], token_text)
 
 
-def _completion_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
-                       tokenizer) -> AsyncIterator[str]:
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream number, output) from several streams, as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # noqa: BLE001 - re-raised in the consumer
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                left -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _completion_chunks(streams: list[RequestStream], n: int, created: int, model: str, include_usage: bool,
+                       token_text: TokenText) -> AsyncIterator[str]:
+    """Choice i * n + k is sequence k of prompt i, as OpenAI numbers a batch of prompts."""
     def response(choices, usage=None) -> CompletionResponse:
-        return CompletionResponse(id=stream.request_id, created=created, model=model, choices=choices, usage=usage)
+        return CompletionResponse(id=streams[0].request_id, created=created, model=model, choices=choices,
+                                  usage=usage)
 
     async def chunks():
         frames = _Frames(lambda i: response([CompletionChoice(index=i, text=_SENTINEL)]))
         sent_lp: dict[int, int] = {}
-        final: dict[int, RequestOutput] = {}
-        async for out in stream:
+        final: dict[int, list[RequestOutput]] = {}
+        async for i, out in _merged(streams):
             _check_error(out)
-            final[out.index] = out
-            lp = _new_logprobs(out, sent_lp, _completion_logprobs, tokenizer)
+            index = i * n + out.index
+            final.setdefault(i, [None] * n)[out.index] = out
+            lp = _new_logprobs(out, index, sent_lp, _completion_logprobs, token_text)
             if out.new_text and lp is None and not out.finished:
-                yield frames[out.index](out.new_text)
+                yield frames[index](out.new_text)
             elif out.new_text or lp or out.finished:
-                yield _sse(response([CompletionChoice(index=out.index, text=out.new_text, logprobs=lp,
+                yield _sse(response([CompletionChoice(index=index, text=out.new_text, logprobs=lp,
                                                       finish_reason=out.finish_reason if out.finished else None)]))
         if include_usage and final:
-            yield _sse(response([], _usage(list(final.values()))))
+            groups = [[o for o in outs if o is not None] for outs in final.values()]
+            yield _sse(response([], _total_usage(groups)))
     return _stream_errors_as_events(chunks())
 
 
+def _total_usage(groups: list[list[RequestOutput]], count_completion: bool = True) -> Usage:
+    """Each prompt once, however many choices share it; every choice's completion tokens."""
+    usages = [_usage(outs) for outs in groups if outs]
+    return Usage.of(sum(u.prompt_tokens for u in usages),
+                    sum(u.completion_tokens for u in usages) if count_completion else 0)
+
+
+def _completion_choice(index: int, out: RequestOutput, body: CompletionRequest, prompt_text: str,
+                       token_text: TokenText) -> CompletionChoice:
+    """echo puts the prompt (its text, and its tokens' logprobs) before the completion; with
+    max_tokens 0 the one token made to get there is dropped."""
+    token_ids, logprobs, text = out.token_ids, out.logprobs, out.text
+    if body.echo_only:
+        token_ids, logprobs, text = [], [], ""
+    lp = None
+    if body.logprobs is not None:
+        lp = _completion_logprobs(logprobs, token_ids, token_text)
+        if body.echo:
+            head = _completion_logprobs(out.prompt_logprobs or [], out.prompt_token_ids, token_text)
+            lp = CompletionLogprobs(tokens=head.tokens + lp.tokens, token_logprobs=head.token_logprobs + lp.token_logprobs,
+                                    top_logprobs=head.top_logprobs + lp.top_logprobs,
+                                    text_offset=head.text_offset + [len(prompt_text) + o for o in lp.text_offset])
+    plp = None
+    if body.prompt_logprobs is not None and out.prompt_logprobs is not None:
+        plp = [None if p is None else {str(t): PromptLogprob(logprob=v, decoded_token=token_text.str(t))
+                                       for t, v in [(tid, p.logprob), *p.top]}
+               for tid, p in zip(out.prompt_token_ids, out.prompt_logprobs)]
+    return CompletionChoice(index=index, text=prompt_text + text if body.echo else text, logprobs=lp,
+                            finish_reason="length" if body.echo_only else out.finish_reason, prompt_logprobs=plp)
+
+
 def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
-                 tokenizer, n: int) -> AsyncIterator[str]:
+                 token_text: TokenText, n: int) -> AsyncIterator[str]:
     def response(choices, usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=choices, usage=usage)
 
@@ -350,7 +468,7 @@ def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage:
         async for out in stream:
             _check_error(out)
             final[out.index] = out
-            lp = _new_logprobs(out, sent_lp, _chat_logprobs, tokenizer)
+            lp = _new_logprobs(out, out.index, sent_lp, _chat_logprobs, token_text)
             if out.new_text and lp is None:
                 yield frames[out.index](out.new_text)
             elif out.new_text or lp:
@@ -362,35 +480,35 @@ def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage:
     return _stream_errors_as_events(chunks())
 
 
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-
-
-def _completion_logprobs(logprobs, token_ids: list[int], tokenizer) -> CompletionLogprobs:
+def _completion_logprobs(logprobs, token_ids: list[int], token_text: TokenText) -> CompletionLogprobs:
+    """Each top dict also holds the token itself, as OpenAI and vLLM report it; a prompt's first
+    token (echo) has no logprob."""
     out = CompletionLogprobs()
     offset = 0
     for lp, tid in zip(logprobs, token_ids):
-        text = _token_text(tokenizer, tid)
+        text = token_text.str(tid)
         out.tokens.append(text)
-        out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({_token_text(tokenizer, t): v for t, v in lp.top})
+        out.token_logprobs.append(None if lp is None else lp.logprob)
+        out.top_logprobs.append(None if lp is None else
+                                {token_text.str(t): v for t, v in [*lp.top, (tid, lp.logprob)]})
         out.text_offset.append(offset)
-        offset += len(text)
+        offset += len(token_text.bytes(tid).decode("utf-8", "ignore"))
     return out
 
 
-def _chat_logprobs(logprobs, token_ids: list[int], tokenizer) -> ChatLogprobs:
+def _chat_logprobs(logprobs, token_ids: list[int], token_text: TokenText) -> ChatLogprobs:
     content = []
     for lp, tid in zip(logprobs, token_ids):
-        text = _token_text(tokenizer, tid)
-        top = [TopLogprob(token=(s := _token_text(tokenizer, t)), logprob=v, bytes=list(s.encode()))
-               for t, v in lp.top]
-        content.append(ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()),
-                                        top_logprobs=top))
+        top = [TopLogprob(token=token_text.str(t), logprob=v, bytes=list(token_text.bytes(t))) for t, v in lp.top]
+        content.append(ChatTokenLogprob(token=token_text.str(tid), logprob=lp.logprob,
+                                        bytes=list(token_text.bytes(tid)), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
 # ---- the outer guard: API key and body size, before any routing or parsing -----------------------
+
+_GUARDED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key, when one is set
+
 
 class _Guard:
     """Plain ASGI middleware (no per-request task, unlike BaseHTTPMiddleware): checks the API key
@@ -398,16 +516,17 @@ class _Guard:
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int) -> None:
         self.app = app
-        self.api_key = f"Bearer {api_key}".encode() if api_key else None
+        self.api_key = api_key.encode() if api_key else None
         self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"].startswith("/v1/"):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.api_key):
+        if self.api_key is not None and scope["path"].startswith(_GUARDED):
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            # the scheme is case-insensitive (RFC 7235): clients send "bearer" too
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.api_key):
                 return await error_response(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                             "authentication_error")(scope, receive, send)
         if scope["method"] in ("POST", "PUT", "PATCH"):

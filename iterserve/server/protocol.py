@@ -6,6 +6,7 @@ place, and its ValueError becomes a 400 in app.py.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -77,23 +78,41 @@ def _token_keys(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise ValueError("logit_bias: keys must be token ids") from None
 
 
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: per prompt token, in each choice
     best_of: int | None = None
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompt_list(self) -> list[str | list[int]]:
+        """One prompt, or a batch of them: each is its own engine request."""
         p = self.prompt
+        if (self.best_of or 1) > 1 or self.suffix:
+            raise ValueError("best_of > 1 and suffix are not supported")
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream: true")
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError("prompt: send one prompt per request (a batch of prompts is not supported)")
-            p = p[0]
-        if self.echo or (self.best_of or 1) > 1 or self.suffix:
-            raise ValueError("echo, best_of > 1 and suffix are not supported")
-        return p
+            if len(p) > MAX_PROMPTS:
+                raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request")
+            return list(p)
+        return [p]
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: score the prompt, generate nothing (one token is made, then dropped)."""
+        return self.echo and self.max_tokens == 0
+
+    def completion_params(self) -> SamplingParams:
+        params = self.sampling_params(16, self.logprobs) if not self.echo_only else \
+            self.model_copy(update={"max_tokens": 1, "min_tokens": 0}).sampling_params(16, self.logprobs)
+        wanted = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return replace(params, prompt_logprobs=max(wanted)) if wanted else params
 
 
 class TextPart(BaseModel):
@@ -111,7 +130,8 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        # OpenAI's newer name for the system role; chat templates know only "system"
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -140,9 +160,14 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -150,6 +175,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's shape: per prompt token, {token id: its logprob} for the token and the top N (first: None)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -223,6 +250,30 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "iterserve"
     max_model_len: int | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt (a chat template adds its own)
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

@@ -81,7 +81,7 @@ HOSTILE = [
     ("completions", b'{"prompt": "\xff\xfe bad utf-8"}', 400),
     ("completions", {"prompt": 12}, 400),
     ("completions", {"prompt": "hi", "max_tokens": "many"}, 400),
-    ("completions", {"prompt": "hi", "max_tokens": 10**30}, 200),  # capped by the context: finishes "length"
+    ("completions", {"prompt": "hi", "max_tokens": 10**30}, 400),  # beyond the context: refused, not cut short
     ("completions", {"prompt": "hi", "max_tokens": -5}, 400),
     ("completions", {"prompt": "hi", "n": 10**9}, 400),
     ("completions", {"prompt": "hi", "n": 64, "max_tokens": 2}, 200),
@@ -94,7 +94,9 @@ HOSTILE = [
     ("completions", {"prompt": "hi", "stop_token_ids": [10**30]}, 200),  # never matches: harmless
     ("completions", {"prompt": [10**9]}, 400),  # token id out of vocabulary
     ("completions", {"prompt": [-1, 5]}, 400),
-    ("completions", {"prompt": [[1, 2], [3]]}, 400),  # batches are refused
+    ("completions", {"prompt": [[1, 2], [3]], "max_tokens": 2}, 200),  # a batch of two prompts
+    ("completions", {"prompt": [[1, 2], [10**9]]}, 400),  # one bad prompt refuses the batch
+    ("completions", {"prompt": ["hi"] * 300}, 400),  # more prompts than one request may carry
     ("completions", {"prompt": "word " * 12000}, 400),  # 60 KB: fits the body limit, not the context
     ("completions", {"prompt": "x" * (1 << 20)}, 413),  # 1 MB prompt: over --max-request-bytes
     ("completions", b'{"prompt": "hi", "temperature": NaN}', 400),
@@ -106,7 +108,9 @@ HOSTILE = [
     ("completions", {"prompt": "hi", "seed": 10**40, "max_tokens": 2}, 200),
     ("completions", {"prompt": "hi", "seed": -(10**40), "max_tokens": 2}, 200),
     ("completions", {"prompt": "hi", "priority": 10**40, "max_tokens": 2}, 200),
-    ("completions", {"prompt": "hi", "echo": True}, 400),
+    ("completions", {"prompt": "hi", "echo": True, "max_tokens": 0}, 200),  # scoring only
+    ("completions", {"prompt": "hi", "echo": True, "stream": True}, 400),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400),  # 0 only with echo
     ("completions", {"prompt": "hi", "stream": "yes please"}, 400),
     ("completions", {"prompt": "hi", "stream_options": 5}, 400),
     ("completions", {"prompt": "hi", "model": "other"}, 404),
@@ -143,7 +147,7 @@ def test_chunked_body_over_the_limit_is_413(fast_server):
 
 
 def test_streamed_hostile_requests_end_cleanly(fast_server):
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 10**30, "stream": True, "n": 2}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "stream": True, "n": 2}
     with httpx.stream("POST", fast_server.url + "/v1/completions", json=body, timeout=30) as r:
         r.read()
     _check(r, 200)

@@ -98,3 +98,20 @@ def test_penalties_bias_and_min_tokens_steer_the_real_model(client, tokenizer):
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 20
     longer = client.chat.completions.create(**chat, extra_body={"min_tokens": 20})
     assert longer.usage.completion_tokens >= 20
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(client, tokenizer):
+    """lm-eval's loglikelihood request: token-id prompts in a batch, echo, logprobs 1, max_tokens 0/1."""
+    contexts = ["The capital of France is", "Two plus two is"]
+    prompts = [tokenizer.encode(c + " Paris") for c in contexts]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 0
+    for c, ids, ctx in zip(r.choices, prompts, contexts):
+        lp = c.logprobs
+        assert c.text == tokenizer.decode(ids) and len(lp.tokens) == len(ids)
+        assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+        assert all(1 <= len(top) <= 2 and max(top.values()) >= v - 1e-5
+                   for top, v in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    one = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert one.choices[0].logprobs.token_logprobs[:-1] == r.choices[0].logprobs.token_logprobs
+    assert len(one.choices[0].logprobs.tokens) == len(prompts[0]) + 1
