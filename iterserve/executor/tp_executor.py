@@ -47,7 +47,7 @@ _HOST = "127.0.0.1"  # the ranks of one executor share a machine
 class TPExecutor:
     def __init__(self, config: EngineConfig) -> None:
         mc, pc = config.model_config, config.parallel_config
-        self.size = n = pc.tensor_parallel_size
+        n = pc.tensor_parallel_size
         path = mc.model or default_model_path()
         arch = load_model_arch(path)
         check_tp_size(arch, n)
@@ -57,9 +57,11 @@ class TPExecutor:
                              f"{torch.cuda.device_count()}")
         store = _listen(pc.distributed_port)
         self._dead: str | None = None
-        self._procs, self._conns = _start_workers(config, n, store.port)
+        self._procs: list = []
+        self._conns: list[Connection] = []
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, store)
         try:
+            _start_workers(config, n, store.port, self._procs, self._conns)
             self.tokenizer = load_tokenizer(path)  # while the ranks load their weights
             ready = self._receive(set(range(n)), "start-up")
         except BaseException:
@@ -80,7 +82,7 @@ class TPExecutor:
         if self._dead is not None:
             raise ExecutorDeadError(self._dead)
         data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
-        for rank, conn in enumerate(self._conns):
+        for conn in self._conns:
             try:
                 conn.send_bytes(data)
             except OSError:
@@ -147,11 +149,11 @@ def _listen(port: int | None) -> dist.TCPStore:
                          "pass a free --distributed-port, or none to take any free port") from None
 
 
-def _start_workers(config: EngineConfig, n: int, port: int) -> tuple[list, list[Connection]]:
+def _start_workers(config: EngineConfig, n: int, port: int, procs: list, conns: list[Connection]) -> None:
+    """Appends as it goes: whatever started is stopped by the caller's finalizer if a later rank fails."""
     ctx = mp.get_context("spawn")
     threads = config.model_config.num_threads or max(1, (os.cpu_count() or 1) // n)
     rank_config = config.replace(num_threads=threads, use_cuda_graphs=False)  # no collectives in captured graphs
-    procs, conns = [], []
     for rank in range(n):
         ours, theirs = ctx.Pipe()
         p = ctx.Process(target=_worker, args=(rank, n, rank_config, port, theirs), name=f"iterserve-tp{rank}",
@@ -160,7 +162,6 @@ def _start_workers(config: EngineConfig, n: int, port: int) -> tuple[list, list[
         theirs.close()  # only the worker holds its end: its death is EOF here
         procs.append(p)
         conns.append(ours)
-    return procs, conns
 
 
 def _stop_workers(procs, conns: list[Connection], store) -> None:
