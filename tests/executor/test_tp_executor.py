@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 
+import httpx
 import openai
 import pytest
 import torch
@@ -116,7 +117,8 @@ def test_tp2_int8(tiny_model, float_pair, prompts):
 
 
 def test_llm_and_server_tp2_match_tp1(tiny_model):
-    """One TP=2 engine, first through LLM.generate, then behind the HTTP server."""
+    """One TP=2 engine, first through LLM.generate, then behind the HTTP server, until a rank is
+    killed: the next request fails naming it, /health says the engine is dead, no rank is left."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     want = [o.text for o in LLM(tiny_model, **CACHE).generate(TEXTS, params)]
     llm = LLM(tiny_model, tensor_parallel_size=2, **CACHE)
@@ -136,6 +138,11 @@ def test_llm_and_server_tp2_match_tp1(tiny_model):
             streamed = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0,
                                                  stream=True, extra_body={"ignore_eos": True})
             assert "".join(c.choices[0].text for c in streamed) == expected
+        os.kill(engine.executor.pids[1], signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="rank 1 .* was killed by SIGKILL"):
+            client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=4)
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 503 and "rank 1" in health.text
     finally:
         server.stop()
         engine.shutdown()
