@@ -34,6 +34,8 @@ def _check_device(name: str) -> str:
 
 
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+CPU_KV_CACHE_MEMORY = 1 << 30  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory is given
+SWAP_SPACE = 1 << 30  # the host pool when a preemption mode can swap and swap_space is not given
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -97,8 +99,7 @@ class SchedulerConfig:
     preemption_mode: Literal["recompute", "swap", "auto"] = _help(
         "what a preempted request loses: recompute its KV later, swap it to host memory, or auto: whichever "
         "the executor's measured costs say is cheaper", default="recompute")
-    max_waiting_requests: int | None = _help("a longer waiting queue answers 503 (default: 4096 in the server)",
-                                             default=None, ge=1)
+    max_waiting_requests: int = _help("a longer waiting queue answers 503", default=4096, ge=1)
 
 
 @pydantic_dataclass(config=_STRICT)
@@ -183,7 +184,7 @@ class EngineConfig:
         """The host swap pool: only when a preemption mode can use it."""
         if self.cache_config.swap_space is not None:
             return self.cache_config.swap_space
-        return 0 if self.scheduler_config.preemption_mode == "recompute" else 1 << 30
+        return 0 if self.scheduler_config.preemption_mode == "recompute" else SWAP_SPACE
 
     def flat(self) -> dict:
         """Every setting by its flat name (for reports and for building a changed copy)."""

@@ -142,12 +142,12 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     results = run_targets(trace, targets, kw, progress, http_model=args.http_model, api_key=args.api_key)
     if args.save_trace:
         trace.save(args.save_trace)
-    report = build_report(_config(args, trace, kw), results, slo)
-    print(_trace_line(trace))
+    report = build_report(report_config(args, trace, kw), results, slo)
+    print(trace_line(trace))
     print(format_table(report))
-    _write(report, args.json)
+    write_report(report, args.json)
     if args.plot:
-        from iterserve.bench.plots import plot_all
+        plot_all = plots().plot_all
         for path in plot_all(results, args.plot):
             print(f"wrote {path}")
     return 0
@@ -162,26 +162,34 @@ def _sweep(args: argparse.Namespace, targets: list[str], slo: Slo, progress: boo
         setattr(args, attr, int(value) if name != "request-rate" else value)
         trace, kw = trace_from_args(args), engine_kwargs_from_args(args)
         results = run_targets(trace, targets, kw, progress, factory, http_model=args.http_model, api_key=args.api_key)
-        report = build_report(_config(args, trace, kw), results, slo)
+        report = build_report(report_config(args, trace, kw), results, slo)
         points.append((value, report))
         flat += [{**t, "sweep": {name: value}} for t in report["targets"]]
         print(f"{name}={value:g}: " + ", ".join(f"{t['name']} {t['output_tokens_per_s']:.1f} tok/s"
                                                 for t in report["targets"]), file=sys.stderr)
     print(format_sweep(name, points))
     report = {"config": {**points[0][1]["config"], "sweep": {"param": name, "values": values}}, "targets": flat}
-    _write(report, args.json)
+    write_report(report, args.json)
     if args.plot:
-        from iterserve.bench.plots import plot_sweep
-        print(f"wrote {plot_sweep(name, points, args.plot)}")
+        print(f"wrote {plots().plot_sweep(name, points, args.plot)}")
     return 0
 
 
-def _config(args: argparse.Namespace, trace: Trace, kw: dict) -> dict:
+def plots():
+    """The plotting module, whose matplotlib comes with the `bench` extra."""
+    try:
+        from iterserve.bench import plots as module
+    except ImportError as exc:
+        raise ValueError(f"--plot needs matplotlib ({exc}): pip install 'iterserve[bench]'") from None
+    return module
+
+
+def report_config(args: argparse.Namespace, trace: Trace, kw: dict) -> dict:
     return {"argv": vars(args), "engine": kw, "trace": trace.meta, "concurrency": trace.concurrency,
             "num_requests": len(trace), "total_output_tokens": trace.total_output_tokens}
 
 
-def _trace_line(trace: Trace) -> str:
+def trace_line(trace: Trace) -> str:
     p = [r.prompt_len for r in trace.requests]
     o = [r.output_len for r in trace.requests]
     return (f"trace: {len(trace)} requests, prompt mean {sum(p) / len(p):.1f}, output mean {sum(o) / len(o):.1f} "
@@ -189,7 +197,7 @@ def _trace_line(trace: Trace) -> str:
             f"{trace.meta.get('arrivals', 'from file')}")
 
 
-def _write(report: dict, path: str | None) -> None:
+def write_report(report: dict, path: str | None) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=1))

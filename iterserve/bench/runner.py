@@ -26,7 +26,7 @@ from iterserve.sampling_params import SamplingParams
 ENGINE_TARGETS = ("continuous", "static")
 
 
-def _params(r: TraceRequest) -> SamplingParams:
+def trace_params(r: TraceRequest) -> SamplingParams:
     # Greedy and ignore_eos: every target generates exactly output_len tokens, so all do equal work.
     return SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
 
@@ -64,7 +64,7 @@ def run_trace(engine, trace: Trace, name: str = "engine", progress: bool = False
             r = pending.popleft()
             # Open loop: the request arrived at its trace time even if a step was running then.
             arrival = now if trace.concurrency else t0 + r.arrival_time
-            engine.add_request(list(r.prompt_token_ids), _params(r), request_id=r.request_id, arrival_time=arrival)
+            engine.add_request(list(r.prompt_token_ids), trace_params(r), request_id=r.request_id, arrival_time=arrival)
             in_flight += 1
         if not engine.has_unfinished():
             if not pending:

@@ -3,7 +3,7 @@
 execute(plan): block swaps/copies -> flat inputs (loops over requests, never tokens) -> model ->
 sampler. Everything per token is built with numpy/torch ops over whole requests.
 
-On CUDA (see the README, "The GPU path"): attention runs through the Triton kernels (model/attention_backend.py);
+On CUDA (docs/gpu.md): attention runs through the Triton kernels (model/attention_backend.py);
 with config.use_cuda_graphs, every pure-decode step of at most max_num_seqs requests replays a CUDA
 graph captured at start-up, one per batch-size bucket (executor/cuda_graphs.py); prompt and mixed
 steps run eagerly. The KV pool is sized from the free device memory after a profiling forward pass.
@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from iterserve.config import EngineConfig
+from iterserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from iterserve.executor.base import KVCacheSpec, num_blocks_for
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.logits_processors import make_adjust
@@ -31,7 +31,6 @@ from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepRe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
-CPU_KV_MEMORY = 1 << 30  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory is given
 
 
 def pick_device(name: str) -> torch.device:
@@ -155,7 +154,7 @@ class ModelRunner:
         if c.num_kv_blocks:
             return c.num_kv_blocks
         if self.device.type != "cuda" or c.kv_cache_memory is not None:
-            return num_blocks_for(c.kv_cache_memory or CPU_KV_MEMORY, block_bytes)
+            return num_blocks_for(c.kv_cache_memory or CPU_KV_CACHE_MEMORY, block_bytes)
         return num_blocks_for(self._profile_kv_memory(block_bytes), block_bytes)
 
     def _profile_kv_memory(self, block_bytes: int) -> int:

@@ -1,6 +1,6 @@
 """Iteration-level scheduling: who computes how many tokens in the next step.
 
-The one rule (DESIGN.md): each scheduled request gets min(num_tokens - num_computed_tokens,
+The one rule (docs/architecture.md): each scheduled request gets min(num_tokens - num_computed_tokens,
 budget left) tokens. Prompts, prompt chunks, resumed requests and decodes are the same case.
 Torch-free, so the simulator drives this very object.
 """

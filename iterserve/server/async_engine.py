@@ -48,8 +48,6 @@ class ShutdownTimeoutError(RequestTimeoutError):
     status, type = 503, "server_shutting_down"
 
 
-# With no --max-waiting-requests the queue is still bounded: a flood gets 503s, not unbounded memory.
-DEFAULT_MAX_WAITING_REQUESTS = 4096
 
 
 @dataclass(slots=True)
@@ -149,8 +147,8 @@ class AsyncEngine:
             self.engine = engine
         else:
             self._build_on_engine_thread(engine)
-        self.max_waiting_requests = next(x for x in (max_waiting_requests, self.engine.config.scheduler_config.max_waiting_requests,
-                                                     DEFAULT_MAX_WAITING_REQUESTS) if x is not None)
+        # A flood gets 503s, not unbounded memory: the queue is always bounded.
+        self.max_waiting_requests = max_waiting_requests or self.engine.config.scheduler_config.max_waiting_requests
 
     def _build_on_engine_thread(self, build: Callable[[], Engine]) -> None:
         failed: list[BaseException] = []

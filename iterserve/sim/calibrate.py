@@ -13,7 +13,6 @@ relative error; (4) is added to the fixed and per-request overheads. The profile
 """
 from __future__ import annotations
 
-CPU_KV_MEMORY = 1 << 30  # the CPU engine's pool when no size is given (executor.model_runner)
 
 import argparse
 import itertools
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from iterserve.config import EngineConfig
+from iterserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from iterserve.entrypoints.args import HelpFormatter, fail
 from iterserve.executor.base import KVCacheSpec, num_blocks_for
 from iterserve.sampling_params import SamplingParams
@@ -301,7 +300,7 @@ def _real_kv_blocks(kw: dict) -> int:
     elem = torch.tensor([], dtype=pick_dtype(kw.get("dtype", "auto"), pick_device("auto"))).element_size()
     spec = get_model_spec(kw.get("model") or default_model_path(), elem)
     block = kw.get("block_size", 16) * spec.kv_bytes_per_token
-    return num_blocks_for(parse_bytes(kw.get("kv_cache_memory") or CPU_KV_MEMORY), block)
+    return num_blocks_for(parse_bytes(kw.get("kv_cache_memory") or CPU_KV_CACHE_MEMORY), block)
 
 
 def format_validation(rows: list[dict]) -> str:

@@ -13,7 +13,7 @@ import sys
 from iterserve.bench.metrics import TargetResult
 from iterserve.bench.runner import run_trace
 from iterserve.bench.workload import Trace, materialize_prompts
-from iterserve.config import EngineConfig
+from iterserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from iterserve.sim.cost_model import CostModel
 from iterserve.entrypoints.args import fail
 from iterserve.sim.executor import SimulatedExecutor, VirtualClock
@@ -60,7 +60,7 @@ def make_executor(config: EngineConfig, model, hw, clock: VirtualClock | None = 
                              block_size=c.block_size, gpu_memory_utilization=c.gpu_memory_utilization,
                              max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
                              swap_space=config.swap_space_bytes, max_model_len=config.model_config.max_model_len,
-                             clock=clock, kv_cache_memory=c.kv_cache_memory or (1 << 30))
+                             clock=clock, kv_cache_memory=c.kv_cache_memory or CPU_KV_CACHE_MEMORY)
 
 
 def make_engine(config: EngineConfig, model, hw):
@@ -164,23 +164,22 @@ def run_simulation(args: argparse.Namespace) -> int:
         result.extra.update(sim_extra(engine, model, hw))
     if args.save_trace:
         trace.save(args.save_trace)
-    config = bench_cli._config(args, trace, kw)
+    config = bench_cli.report_config(args, trace, kw)
     config["simulator"] = {"model": model.name, "hardware": hw.to_json(), "tp": tp,
                            "num_kv_blocks": built[0].executor.num_kv_blocks if built else None}
     report = build_report(config, results, Slo(args.slo_ttft, args.slo_tpot, args.slo_e2e))
     print(f"simulated: {model.name} on {tp} x {hw.name}, {config['simulator']['num_kv_blocks']} KV blocks; "
           f"modelled seconds, not wall time")
-    print(bench_cli._trace_line(trace))
+    print(bench_cli.trace_line(trace))
     print(format_table(report))
     for r in results:
         if "replicas" in r.extra:
             per = r.extra["requests_per_replica"]
             print(f"{r.name}: prefix cache hit rate {r.extra['prefix_hit_rate']:.1%}, "
                   f"requests per replica {min(per)}..{max(per)}")
-    bench_cli._write(report, args.json)
+    bench_cli.write_report(report, args.json)
     if args.plot:
-        from iterserve.bench.plots import plot_all
-        for path in plot_all(results, args.plot):
+        for path in bench_cli.plots().plot_all(results, args.plot):
             print(f"wrote {path}")
     return 0
 

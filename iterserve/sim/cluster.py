@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from iterserve.bench.metrics import TargetResult, request_metrics
-from iterserve.bench.runner import _params
+from iterserve.bench.runner import trace_params
 from iterserve.bench.workload import Trace, materialize_prompts
 from iterserve.router.policy import ReplicaLoad, Router, prompt_block_hashes
 
@@ -59,7 +59,7 @@ def run_cluster(engines: list, trace: Trace, router: Router, name: str = "cluste
             i = index[rid]
             engine = engines[i]
             was_idle = not engine.has_unfinished()
-            engine.add_request(r.prompt_token_ids, _params(r), request_id=r.request_id, arrival_time=r.arrival_time)
+            engine.add_request(r.prompt_token_ids, trace_params(r), request_id=r.request_id, arrival_time=r.arrival_time)
             routed[i] += 1
             if was_idle:  # an idle replica's clock catches up with the arrival
                 engine.clock.advance_to(r.arrival_time)

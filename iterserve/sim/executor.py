@@ -2,6 +2,7 @@
 virtual clock that jumps by each step's modelled time instead of waiting for it."""
 from __future__ import annotations
 
+from iterserve.config import CPU_KV_CACHE_MEMORY
 from iterserve.executor.base import KVCacheSpec, bytes_per_block, num_blocks_for
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 from iterserve.sim.cost_model import CostModel
@@ -46,7 +47,8 @@ class SimulatedExecutor:
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tp: int = 1, num_kv_blocks: int | None = None,
                  block_size: int = 16, gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 256, swap_space: int = 0, max_model_len: int | None = None,
-                 clock: VirtualClock | None = None, token_id: int = 0, kv_cache_memory: int = 1 << 30):
+                 clock: VirtualClock | None = None, token_id: int = 0,
+                 kv_cache_memory: int = CPU_KV_CACHE_MEMORY):
         self.cost = CostModel(model, hardware, tp)
         self.model, self.hardware, self.tp = model, hardware, tp
         # Per device: under TP each GPU holds (and swaps) its share of the KV heads.

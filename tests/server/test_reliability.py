@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from iterserve.sampling_params import SamplingParams
-from iterserve.server.async_engine import DEFAULT_MAX_WAITING_REQUESTS, AsyncEngine, EngineDeadError
+from iterserve.config import SchedulerConfig
+from iterserve.server.async_engine import AsyncEngine, EngineDeadError
 from tests.faulty_executor import FaultyExecutor
 from tests.server.conftest import MODEL, fake_engine, leaks, metric, no_leaks, start_server, wait_for
 
@@ -132,7 +133,7 @@ def test_request_timeout_aborts_and_frees(tokenizer):
 
 
 def test_waiting_queue_is_bounded_by_default(tokenizer):
-    assert AsyncEngine(fake_engine(tokenizer)).max_waiting_requests == DEFAULT_MAX_WAITING_REQUESTS
+    assert AsyncEngine(fake_engine(tokenizer)).max_waiting_requests == SchedulerConfig().max_waiting_requests
 
 
 def test_engine_death_between_check_and_submit_does_not_hang(tokenizer):
