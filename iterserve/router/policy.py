@@ -65,7 +65,10 @@ class _Counting:
 
     def least_loaded(self, loads: Mapping[str, ReplicaLoad]) -> str:
         _check_live(loads)
-        return min(loads, key=lambda r: (self.load(r, loads[r]), loads[r].kv_usage))
+        # self.load inlined: this runs over every replica for every request (the simulator's hot loop)
+        in_flight = self.in_flight
+        return min((max(x.num_running + x.num_waiting, in_flight.get(r, 0)), x.kv_usage, r)
+                   for r, x in loads.items())[2]
 
     def on_routed(self, replica_id: str, block_hashes: Sequence[bytes]) -> None:
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1

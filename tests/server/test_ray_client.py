@@ -1,0 +1,110 @@
+"""The ingress's ReplicaClient against a scripted deployment handle: a replica that dies before a
+request's first output means a retry elsewhere; one that dies mid-stream ends it with engine_dead."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("ray", reason="ray[serve] is not installed (pip install 'iterserve[serve]')")
+
+from ray.exceptions import ActorDiedError  # noqa: E402
+
+from iterserve.outputs import RequestOutput  # noqa: E402
+from iterserve.request import RequestTimes  # noqa: E402
+from iterserve.sampling_params import SamplingParams  # noqa: E402
+from iterserve.server.async_engine import EngineDeadError  # noqa: E402
+from iterserve.server.ray_app import MAX_DISPATCH_ATTEMPTS, ReplicaClient  # noqa: E402
+
+
+def output(k: int, finished: bool) -> RequestOutput:
+    return RequestOutput("r", [1], [7] * k, "", [7], "", finished, "length" if finished else None,
+                         RequestTimes(0.0))
+
+
+class Response:
+    """A DeploymentResponseGenerator: yields `items`, raising any exception among them."""
+
+    def __init__(self, items: list) -> None:
+        self.items, self.cancelled = list(items), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Handle:
+    """Hands out the scripted responses in turn, one per dispatch."""
+
+    def __init__(self, responses: list[Response]) -> None:
+        self.responses, self.calls = responses, []
+        self.generate = self
+
+    def options(self, **kwargs) -> "Handle":
+        return self
+
+    def remote(self, *args) -> Response:
+        self.calls.append(args)
+        return self.responses[len(self.calls) - 1]
+
+
+async def collect(client: ReplicaClient) -> list[RequestOutput]:
+    stream = await client.add_request([1, 2, 3], SamplingParams(max_tokens=2), "r")
+    return [out async for out in stream]
+
+
+def test_a_replica_dying_before_the_first_output_is_retried_elsewhere():
+    handle = Handle([Response([ActorDiedError()]), Response([None, output(1, False), output(2, True)])])
+    outs = asyncio.run(collect(ReplicaClient(handle, None, 100)))
+    assert [o.finished for o in outs] == [False, True] and len(handle.calls) == 2
+    assert handle.calls[0] == handle.calls[1]  # the same request, sent again
+
+
+def test_no_replica_left_after_the_retries_is_engine_dead():
+    handle = Handle([Response([ActorDiedError()]) for _ in range(MAX_DISPATCH_ATTEMPTS)])
+    with pytest.raises(EngineDeadError, match="no replica could take the request"):
+        asyncio.run(collect(ReplicaClient(handle, None, 100)))
+
+
+def test_a_replica_dying_mid_stream_ends_the_request_with_engine_dead():
+    handle = Handle([Response([None, output(1, False), ActorDiedError()])])
+    seen = []
+
+    async def run():
+        stream = await ReplicaClient(handle, None, 100).add_request([1, 2, 3], SamplingParams(max_tokens=5), "r")
+        async for out in stream:
+            seen.append(out)
+
+    with pytest.raises(EngineDeadError, match="died after 1 outputs"):
+        asyncio.run(run())
+    assert len(seen) == 1 and len(handle.calls) == 1  # streamed output is never replayed
+
+
+def test_bad_input_is_the_replicas_own_error_and_not_retried():
+    handle = Handle([Response([ValueError("prompt token id 5000 is not in the vocabulary")])])
+    with pytest.raises(ValueError, match="vocabulary"):
+        asyncio.run(collect(ReplicaClient(handle, None, 100)))
+    assert len(handle.calls) == 1
+
+
+def test_a_stream_closed_early_cancels_its_call():
+    response = Response([None, output(1, False), output(2, False), output(3, True)])
+
+    async def run():
+        stream = await ReplicaClient(Handle([response]), None, 100).add_request([1], SamplingParams(), "r")
+        async for _ in stream:
+            break  # the client went away after one output
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert response.cancelled
