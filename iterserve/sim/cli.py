@@ -18,7 +18,7 @@ from iterserve.sim.cost_model import CostModel
 from iterserve.entrypoints.args import fail
 from iterserve.sim.executor import SimulatedExecutor, VirtualClock
 from iterserve.sim.hardware import PRESETS, get_hardware
-from iterserve.sim.model_spec import PRESET_CONFIGS, get_model_spec
+from iterserve.sim.model_spec import MODEL_PRESETS, get_model_spec
 
 SIM_TARGETS = ("continuous", "static")
 
@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(no_progress=True)
     for action in p._actions:
         if action.dest == "model":
-            action.help = (f"preset ({', '.join(PRESET_CONFIGS)}), HF dir / config.json or .gguf "
+            action.help = (f"preset ({', '.join(MODEL_PRESETS)}), HF dir / config.json or .gguf "
                            "(default: llama-2-7b; smollm2-135m on cpu-local)")
     add_model_args(p)
     from iterserve.router.policy import POLICIES

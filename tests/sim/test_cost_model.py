@@ -5,7 +5,7 @@ import pytest
 
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.hardware import PRESETS, HardwareSpec, get_hardware
-from iterserve.sim.model_spec import PRESET_CONFIGS, get_model_spec, spec_from_hf_config
+from iterserve.sim.model_spec import MODEL_PRESETS, get_model_spec
 
 # lmdeploy's measured per-token decode latency, Llama-2-7B fp16 on one A100-80GB
 # (batch size, context length per request, measured ms). Acceptance: within 15%.
@@ -37,12 +37,20 @@ def test_kv_bytes_per_token():
     assert get_model_spec("llama-3-8b").kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
 
 
-def test_spec_from_hf_config_reads_llama_and_opt_names():
-    llama = spec_from_hf_config({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                 "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100,
-                                 "torch_dtype": "float32"})
-    assert (llama.head_dim, llama.num_kv_heads, llama.dtype_bytes, llama.gated_mlp) == (16, 2, 4, True)
-    opt = spec_from_hf_config(PRESET_CONFIGS["opt-13b"])
+def test_a_checkpoint_is_read_by_the_engine_loader(tmp_path):
+    """One config.json parser: the simulator reads a directory through the engine's own loader."""
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100,
+        "max_position_embeddings": 512}))
+    spec = get_model_spec(str(tmp_path / "config.json"), dtype_bytes=4)
+    assert (spec.head_dim, spec.num_kv_heads, spec.dtype_bytes, spec.gated_mlp, spec.max_model_len) == \
+        (16, 2, 4, True, 512)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="mamba"):
+        get_model_spec(str(tmp_path))
+    opt = MODEL_PRESETS["opt-13b"]
     assert not opt.gated_mlp and opt.tie_word_embeddings and opt.intermediate_size == 20480
 
 
