@@ -107,7 +107,8 @@ class TPExecutor:
                 if conn in ready:
                     kind, body = _recv(conn, rank)
                     if kind == "error":
-                        self._fail(during, f"rank {rank} failed: {body}")
+                        text, users_mistake = body
+                        self._fail(during, f"rank {rank} failed: {text}", users_mistake)
                     got[rank] = body
             for sentinel, rank in sentinels.items():
                 if sentinel in ready and rank not in got:
@@ -116,17 +117,21 @@ class TPExecutor:
                     self._fail(during, None if proc.exitcode else f"rank {rank} (pid {proc.pid}) exited")
         return got
 
-    def _fail(self, during: str, error: str | None = None) -> None:
+    def _fail(self, during: str, error: str | None = None, users_mistake: bool = False) -> None:
         """A rank that died is named first: its peers' errors (a broken collective) are its echo, and
-        may arrive before the dead process is reaped, so the ranks get a moment to end."""
+        may arrive before the dead process is reaped, so the ranks get a moment to end. A bad value
+        or path found while loading is a ValueError, as it is without tensor parallelism."""
         deadline = time.monotonic() + 1.0
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
         deaths = [f"rank {r} (pid {p.pid}) {_how_it_ended(p.exitcode)}" for r, p in enumerate(self._procs)
                   if p.exitcode not in (None, 0)]
         self._dead = f"tensor-parallel {'; '.join(deaths + ([error] if error else []))} during {during}"
+        if error is None and during == "start-up":  # it died before it could say why
+            self._dead += (" (its stderr says why; a script must start tensor parallelism under "
+                           "`if __name__ == \"__main__\":`, as each spawned rank imports the script)")
         self.shutdown()
-        raise ExecutorDeadError(self._dead)
+        raise (ValueError if users_mistake and during == "start-up" else ExecutorDeadError)(self._dead)
 
 
 def _how_it_ended(code: int) -> str:
@@ -137,7 +142,7 @@ def _recv(conn: Connection, rank: int) -> tuple[str, object]:
     try:
         return conn.recv()
     except (EOFError, OSError):
-        return "error", f"rank {rank} closed its pipe (the process died)"
+        return "error", (f"rank {rank} closed its pipe (the process died)", False)
 
 
 def _listen(port: int | None) -> dist.TCPStore:
@@ -188,8 +193,8 @@ def _worker(rank: int, n: int, config: EngineConfig, port: int, conn: Connection
     try:
         runner = build_rank(rank, n, config, port)
         conn.send(("ready", {"kv_cache_spec": runner.kv_cache_spec, "max_model_len": runner.max_model_len}))
-    except BaseException:  # noqa: BLE001 - reported to the engine, which stops every rank
-        _report(conn)
+    except BaseException as exc:  # noqa: BLE001 - reported to the engine, which stops every rank
+        _report(conn, exc)
         return
     while True:
         try:
@@ -200,8 +205,8 @@ def _worker(rank: int, n: int, config: EngineConfig, port: int, conn: Connection
             break
         try:
             result = runner.execute(pickle.loads(data))
-        except BaseException:  # noqa: BLE001
-            _report(conn)
+        except BaseException as exc:  # noqa: BLE001
+            _report(conn, exc)
             break
         if rank == 0:
             conn.send(("result", result))
@@ -226,10 +231,10 @@ def build_rank(rank: int, n: int, config: EngineConfig, port: int) -> ModelRunne
     return ModelRunner(config, rank_arch(arch, n), shard, tp=TensorParallel(rank, n, arch.vocab_size))
 
 
-def _report(conn: Connection) -> None:
+def _report(conn: Connection, exc: BaseException) -> None:
     """The whole traceback to this rank's stderr (the engine's log), its last line to the engine."""
     traceback.print_exc()
     try:
-        conn.send(("error", traceback.format_exc().strip().splitlines()[-1]))
+        conn.send(("error", (traceback.format_exc().strip().splitlines()[-1], isinstance(exc, (ValueError, OSError)))))
     except OSError:
         pass

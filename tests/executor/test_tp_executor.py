@@ -26,10 +26,9 @@ from iterserve.executor.model_runner import ModelRunner
 from iterserve.executor.tp_executor import TPExecutor
 from iterserve.llm import LLM
 from iterserve.sampling_params import SamplingParams
-from tests.engine.test_greedy_reference import assert_close_all, generate
+from tests.engine.test_greedy_reference import PROMPT_LENS, TEXT, assert_close_all, generate
 from tests.server.conftest import MODEL, start_server, wait_for
 
-PROMPT_LENS = [3, 7, 16, 33, 64, 100]
 CACHE = dict(dtype="float32", num_kv_blocks=128, swap_space="4MiB")
 TEXTS = ["The capital of France is", "One, two, three, four,", "Once upon a time"]
 
@@ -49,7 +48,7 @@ def tiny_model(tmp_path_factory, tokenizer) -> str:
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
-    from tests.engine.test_greedy_reference import TEXT
+    """The engine's reference prompts (tests/engine/test_greedy_reference.py)."""
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     return [ids[7 * i: 7 * i + n] for i, n in enumerate(PROMPT_LENS)]
 
@@ -97,7 +96,7 @@ def test_tp2_prefix_cache_hits(float_pair, prompts):
 def test_tp2_preempted(float_pair, prompts, mode):
     tp1, tp2 = float_pair
     want, _ = generate(tp1, prompts)
-    got, engine = generate(tp2, prompts, num_kv_blocks=14, preemption_mode=mode)
+    got, engine = generate(tp2, prompts, num_kv_blocks=24, preemption_mode=mode)
     assert engine.stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert_close_all(got, want)
 
@@ -180,6 +179,14 @@ def test_port_in_use_is_a_clear_error(tiny_model):
     assert set(multiprocessing.active_children()) <= before
     with pytest.raises(ValueError, match="distributed_port"):
         EngineConfig(tensor_parallel_size=2, distributed_port=70000)
+
+
+def test_a_bad_value_found_in_the_ranks_is_a_value_error(tiny_model):
+    """max_model_len beyond the model's context is found where the model loads: in every rank."""
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="rank [01] failed: ValueError: max_model_len 1000 exceeds the model's context"):
+        TPExecutor(EngineConfig(model=tiny_model, tensor_parallel_size=2, max_model_len=1000, **CACHE))
+    assert set(multiprocessing.active_children()) <= before
 
 
 def test_ranks_exit_when_the_engine_process_is_killed(tiny_model):
