@@ -145,6 +145,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     report = build_report(report_config(args, trace, kw), results, slo)
     print(trace_line(trace))
     print(format_table(report))
+    print(memory_line(results))
     write_report(report, args.json)
     if args.plot:
         plot_all = plots().plot_all
@@ -182,6 +183,14 @@ def plots():
     except ImportError as exc:
         raise ValueError(f"--plot needs matplotlib ({exc}): pip install 'iterserve[bench]'") from None
     return module
+
+
+def memory_line(results) -> str:
+    """Resident memory of this process around each engine target (the model, KV pool and run)."""
+    gb = lambda b: "-" if b is None else f"{b / 1e9:.2f} GB"  # noqa: E731
+    parts = [f"{r.name} {gb(r.extra['rss_start_bytes'])} at start, {gb(r.extra['rss_end_bytes'])} after"
+             for r in results if "rss_start_bytes" in r.extra]
+    return "resident memory: " + ("; ".join(parts) or "no engine target")
 
 
 def report_config(args: argparse.Namespace, trace: Trace, kw: dict) -> dict:

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -104,6 +105,15 @@ def warmup(engine, trace: Trace) -> None:
     assert rid == "bench-warmup"
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux), or None where /proc does not say."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def engine_block_size(engine) -> int:
     return engine.config.cache_config.block_size
 
@@ -115,16 +125,19 @@ def shared_model_engines() -> Callable[[str, dict], object]:
     per-request state that outlives a request (greedy sampling keeps no generators)."""
     from iterserve.config import EngineConfig
     from iterserve.engine import Engine
+    from iterserve.engine.engine import make_executor
     from iterserve.executor.model_runner import ModelRunner
-    runners: dict[str, ModelRunner] = {}
+    runners: dict[str, object] = {}
 
     def make(scheduling: str, engine_kwargs: dict) -> Engine:
         config = EngineConfig(**{**engine_kwargs, "scheduling": scheduling})
         key = ModelRunner.config_key(config)  # a sweep over seats keeps the model
         if key not in runners:
+            for old in runners.values():
+                old.shutdown()  # tensor-parallel ranks are processes: stop them, not just drop them
             runners.clear()  # free the previous model before loading the next
             gc.collect()
-            runners[key] = ModelRunner(config)
+            runners[key] = make_executor(config)  # a ModelRunner, or the ranks of --tensor-parallel-size
         return Engine(config, executor=runners[key])
     make.loads_model = True  # run_targets: prompts need this model's tokenizer
     return make
@@ -135,10 +148,12 @@ def run_engine_target(trace: Trace, scheduling: str, engine_kwargs: dict, progre
     engine = (engine_factory or shared_model_engines())(scheduling, engine_kwargs)
     if _advance_fn(engine.clock) is None:
         warmup(engine, trace)
+    rss_start = resident_bytes()
     result = run_trace(engine, trace, scheduling, progress)
     result.extra = {"max_num_seqs": engine.config.scheduler_config.max_num_seqs,
                     "num_kv_blocks": engine.stats.num_kv_blocks,
-                    "dtype": engine.executor.kv_cache_spec.dtype}
+                    "dtype": engine.executor.kv_cache_spec.dtype,
+                    "rss_start_bytes": rss_start, "rss_end_bytes": resident_bytes()}
     del engine
     gc.collect()
     return result
