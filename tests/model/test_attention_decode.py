@@ -6,17 +6,21 @@ import pytest
 import torch
 
 from iterserve.model import cpu_kernels
-from iterserve.model.attention import Workspace, _kv_rows, build_plan, paged_attention
+from iterserve.model.attention import Workspace, _decode, _kv_rows, build_plan, paged_attention
 from iterserve.model.attention_metadata import AttentionMetadata
 
 BS, H, HKV, D = 4, 6, 2, 8
 
 
-def reference(q, k, v, scale):
-    """One query at the end of k/v [L, Hkv, D]."""
+def reference(q, k, v, scale, window=0, softcap=0.0):
+    """One query at the end of k/v [L, Hkv, D]; window: it sees only the last `window` positions;
+    softcap: scores = softcap * tanh(scores / softcap)."""
+    if window:
+        k, v = k[-window:], v[-window:]
     g = q.shape[0] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    p = (torch.einsum("hd,lhd->hl", q.float(), k.float()) * scale).softmax(-1)
+    s = torch.einsum("hd,lhd->hl", q.float(), k.float()) * scale
+    p = (torch.tanh(s / softcap) * softcap if softcap else s).softmax(-1)
     return torch.einsum("hl,lhd->hd", p, v.float())
 
 
@@ -208,3 +212,38 @@ def test_a_kernel_that_cannot_be_built_or_loaded_means_the_torch_path(monkeypatc
         assert cpu_kernels.decode_attention_kernel() is None
     finally:
         cpu_kernels.decode_attention_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel", "portable"])  # gather + matmuls; the C++ kernel as built
+@pytest.mark.parametrize("head_dim", [8, 64])  # here, and with -mno-avx512f; D=8 runs the portable loops anyway
+@pytest.mark.parametrize("window,softcap", [(3, 0.0), (6, 0.0), (13, 0.0), (700, 0.0), (6, 2.0), (0, 2.0)])
+def test_window_and_softcap_in_every_decode_path(path, head_dim, window, softcap):
+    """A windowed layer sees only the last `window` positions (block-aligned or not, shorter and
+    longer than the context; 700 of 2000 is split into slices that start at the window's block),
+    and Gemma 2's soft-capping, on every decode path."""
+    if path != "torch" and cpu_kernels.decode_attention_kernel() is None:
+        pytest.skip("no C++ compiler here")
+    torch.manual_seed(7)
+    lens = [1, 5, 13, 40, 2000]
+    blocks = [-(-n // BS) for n in lens]
+    cache = torch.randn(2, sum(blocks), BS, HKV, head_dim)
+    order = torch.randperm(sum(blocks)).to(torch.int32)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    for b, n in enumerate(blocks):
+        tables[b, :n] = order[sum(blocks[:b]): sum(blocks[:b]) + n]
+    q = torch.randn(len(lens), H, head_dim)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    if path == "torch":
+        md = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.int64),
+                               query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens=seq_lens,
+                               block_tables=tables, max_query_len=1, max_seq_len=max(lens),
+                               query_lens_list=[1] * len(lens), seq_lens_list=lens)
+        got = _decode(q, cache, build_plan(md, BS, torch.float32), 0.35, window, softcap)
+    else:
+        kernel = cpu_kernels.decode_attention_kernel(("-mno-avx512f",) if path == "portable" else ())
+        got = cpu_kernels.decode_attention(q, cache[0], cache[1], tables, seq_lens, 0.35, 8, kernel=kernel,
+                                           window=window, softcap=softcap)
+    for b, n in enumerate(lens):
+        rows = [tables[b, p // BS].item() * BS + p % BS for p in range(n)]
+        k, v = (cache[i].view(-1, HKV, head_dim)[rows] for i in (0, 1))
+        torch.testing.assert_close(got[b], reference(q[b], k, v, 0.35, window, softcap), atol=1e-5, rtol=1e-5)

@@ -11,9 +11,11 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.prompt_attention_supported(torch
                                 reason="needs a C++ compiler and AVX-512 BF16")
 
 
-def reference(q, k, v, scale):
+def reference(q, k, v, scale, window=0):
     t, s = q.shape[0], k.shape[0]
     mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)  # query i sits at position s - t + i
+    if window:  # and sees only the last `window` positions
+        mask &= ~torch.ones(t, s, dtype=torch.bool).tril(s - t - window)
     out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None].float() for x in (q, k, v)), attn_mask=mask,
                                          scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
@@ -33,6 +35,16 @@ def test_causal_over_strided_qkv_rows(t, s, heads, kv_heads, head_dim):
     torch.testing.assert_close(got.float(), reference(q, k, v, head_dim ** -0.5), atol=1e-2, rtol=1e-2)
     k2 = k.contiguous()  # rows of k and v a different distance apart (torch's rope returns a fresh q/k)
     assert torch.equal(cpu_kernels.prompt_attention(q, k2, v, head_dim ** -0.5, 2), got)
+
+
+@pytest.mark.parametrize("t,s", [(37, 37), (130, 130), (20, 100), (1, 40)])
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 200])
+def test_sliding_window(t, s, window):
+    """Keys `window` or more behind a query are masked; key blocks behind a whole tile's window skipped."""
+    torch.manual_seed(t + s + window)
+    q, k, v = (torch.randn(n, h, 64, dtype=torch.bfloat16) for n, h in ((t, 8), (s, 2), (s, 2)))
+    got = cpu_kernels.prompt_attention(q, k, v, 0.125, 2, window)
+    torch.testing.assert_close(got.float(), reference(q, k, v, 0.125, window), atol=1e-2, rtol=1e-2)
 
 
 def test_large_scores_keep_the_softmax_finite():

@@ -227,3 +227,23 @@ def test_every_eos_id_is_read(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [7, 9]}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 11]}))
     assert load_model_arch(str(tmp_path)).eos_token_ids == [7, 9, 11]
+
+
+def test_a_checkpoint_with_two_eos_ids_stops_on_the_second(tmp_path, prompts):
+    """eos_token_id [a, b]: generation stops at the first b, as it would at a."""
+    from iterserve.engine import Engine
+    from iterserve.sampling_params import SamplingParams
+    build_checkpoint(tmp_path, "llama")
+    free = run(str(tmp_path), "float32", prompts[:1])[0][0]  # EOS ignored: where b falls unhindered
+    b = free[5]
+    a = next(t for t in range(3, VOCAB) if t not in free)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [a, b]}))
+    arch = load_model_arch(str(tmp_path))
+    config = EngineConfig(dtype="float32", num_kv_blocks=64, block_size=BLOCK)
+    engine = Engine(config, executor=ModelRunner(config, arch, load_weights(str(tmp_path), arch)))
+    engine.add_request(prompts[0], SamplingParams(max_tokens=NEW_TOKENS, temperature=0), request_id="r")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.finished]
+    assert outputs[0].token_ids == free[: free.index(b) + 1] and outputs[0].finish_reason == "stop"

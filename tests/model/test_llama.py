@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iterserve.model import cpu_kernels
 from iterserve.model.attention import build_plan, paged_attention
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
@@ -25,17 +26,26 @@ def metadata(q_lens: list[int], seq_lens: list[int], tables: list[list[int]]) ->
         max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_lens_list=q_lens, seq_lens_list=seq_lens)
 
 
-def reference_attention(q, k, v, scale):
-    """One sequence, whole context in hand: q [Tq, H, D] at the end of k/v [Tk, Hkv, D]."""
+def reference_attention(q, k, v, scale, window=0, softcap=0.0):
+    """One sequence, whole context in hand: q [Tq, H, D] at the end of k/v [Tk, Hkv, D]; window: each
+    query sees only the last `window` positions; softcap: scores = softcap * tanh(scores / softcap)."""
     tq, tk, g = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    s = torch.tanh(s / softcap) * softcap if softcap else s
     mask = torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)
+    if window:
+        mask &= ~torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq - window)
     return torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, float("-inf")).softmax(-1), v)
 
 
-def test_paged_attention_mixed_batch_matches_reference():
-    """A decode, a fresh prompt, a later chunk and another decode in one flat batch."""
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (6, 0.0), (4, 1.5), (0, 1.5)])
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_paged_attention_mixed_batch_matches_reference(window, softcap, use_kernel):
+    """A decode, a fresh prompt, a later chunk and another decode in one flat batch; windowed and
+    soft-capped too, through the torch gather and the C++ decode kernel."""
+    if use_kernel and cpu_kernels.decode_attention_kernel() is None:
+        pytest.skip("no C++ compiler here")
     torch.manual_seed(0)
     H, HKV, D = 4, 2, 8
     seq_lens, q_lens = [9, 5, 11, 3], [1, 5, 4, 1]
@@ -49,8 +59,9 @@ def test_paged_attention_mixed_batch_matches_reference():
     qs = [torch.randn(q, H, D) for q in q_lens]
     md = metadata(q_lens, seq_lens, tables)
     new = lambda xs: torch.cat([x[s - q:] for x, s, q in zip(xs, seq_lens, q_lens)])  # noqa: E731
-    out = paged_attention(torch.cat(qs), new(full_k), new(full_v), cache, build_plan(md, BS, torch.float32), 0.3)
-    want = torch.cat([reference_attention(q, k, v, 0.3) for q, k, v in zip(qs, full_k, full_v)])
+    plan = build_plan(md, BS, torch.float32, use_kernel=use_kernel)
+    out = paged_attention(torch.cat(qs), new(full_k), new(full_v), cache, plan, 0.3, window, softcap)
+    want = torch.cat([reference_attention(q, k, v, 0.3, window, softcap) for q, k, v in zip(qs, full_k, full_v)])
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 

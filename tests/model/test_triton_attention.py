@@ -62,8 +62,10 @@ def make_batch(q_lens: list[int], seq_lens: list[int], num_heads: int, num_kv_he
     return q, k_cache, v_cache, meta
 
 
-def reference_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """fp32, one request at a time, context gathered position by position, explicit causal mask."""
+def reference_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+                        softcap: float = 0.0) -> torch.Tensor:
+    """fp32, one request at a time, context gathered position by position, explicit causal mask
+    (and window: keys `window` or more behind a query masked; softcap: Gemma 2's score capping)."""
     out = torch.zeros(q.shape, dtype=torch.float32)
     group = q.shape[1] // k_cache.shape[2]
     for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
@@ -74,17 +76,22 @@ def reference_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
         v = v_cache[blocks, pos % BLOCK_SIZE].float().repeat_interleave(group, dim=1)
         qb = q[start:start + q_len].float()  # [q, H, D]
         scores = torch.einsum("qhd,lhd->hql", qb, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len)
-        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = pos[None, None, :] > q_pos[None, :, None]
+        if window:
+            hidden |= q_pos[None, :, None] - pos[None, None, :] >= window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:start + q_len] = torch.einsum("hql,lhd->qhd", scores.softmax(-1), v)
     return out
 
 
-def check(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+def check(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, window=0, softcap=0.0):
     q, k_cache, v_cache, meta = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed)
     scale = head_dim ** -0.5
-    out = paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    ref = reference_attention(q, k_cache, v_cache, meta, scale)
+    out = paged_attention_triton(q, k_cache, v_cache, meta, scale, window, softcap)
+    ref = reference_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     assert out.dtype == dtype and out.shape == q.shape
     err = (out.float() - ref).abs().max().item()
     assert err < TOLERANCE[dtype], f"max abs error {err}"
@@ -119,6 +126,15 @@ def head_groupings():
 @case
 def head_dim_not_power_of_two():
     check([1, 4], [20, 9], num_heads=2, num_kv_heads=1, head_dim=80, dtype=torch.float32, seed=4)
+
+
+@case
+def sliding_window_and_softcap():
+    # windows shorter than a tile (BLOCK_N 64) and spanning several: a fresh prompt, decodes, a later chunk
+    for window, softcap in ((5, 0.0), (70, 0.0), (24, 2.0), (0, 1.5)):
+        for dtype in (torch.float32, torch.bfloat16):
+            check([40, 1, 9, 1, 1], [40, 150, 80, 3, 200], num_heads=4, num_kv_heads=2, head_dim=64, dtype=dtype,
+                  seed=9, window=window, softcap=softcap)
 
 
 @case
