@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Callable, Iterator
 
-from iterserve.entrypoints.args import add_engine_args, config_from_args
+from iterserve.entrypoints.args import HelpFormatter, add_engine_args, config_from_args
 
 Message = dict[str, str]
 
@@ -62,14 +62,14 @@ def local_backend(args: argparse.Namespace, params: dict) -> Callable[[list[Mess
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="iterserve chat", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="iterserve chat", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: in process)")
-    parser.add_argument("--served-model-name", dest="model_name", default=None)
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--served-model-name", dest="model_name", default=None,
+                        help="with --url: the model name to send (default: the server's first model)")
+    parser.add_argument("--api-key", default=None, help="with --url: the server's bearer key")
     parser.add_argument("--system", default=None, help="a system prompt")
-    parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-tokens", type=int, default=512, help="most tokens per reply")
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 for greedy")
     add_engine_args(parser)
     args = parser.parse_args(argv)
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
