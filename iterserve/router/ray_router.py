@@ -36,8 +36,8 @@ class IterserveRequestRouter(RequestRouter):
         ray_router.LIVE_ROUTERS.add(self)
 
     def replica_stats(self) -> dict[str, dict]:
-        """Each live replica's latest report, by replica id."""
-        return {rid.unique_id: dict(r.routing_stats or {}) for rid, r in self.curr_replicas.items()}
+        """Each live replica's latest report, by replica id; one that has not reported yet is not alive."""
+        return {rid.unique_id: {"alive": False, **(r.routing_stats or {})} for rid, r in self.curr_replicas.items()}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

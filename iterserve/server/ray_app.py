@@ -26,6 +26,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
+from iterserve.engine import Engine
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.async_engine import AsyncEngine, EngineDeadError
@@ -61,8 +62,8 @@ class EngineReplica:
 
     def info(self) -> dict:
         engine = self.async_engine.engine
-        return {"tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len, "pid": os.getpid(),
-                "replica": self.replica_id}
+        return {"tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                "pid": os.getpid(), "replica": self.replica_id}
 
     def record_routing_stats(self) -> dict:
         """Ray's routing-stats hook, polled by the controller; our router reads the result."""
@@ -108,19 +109,23 @@ class ReplicaStream:
 
 
 class _EngineInfo:
-    """What build_app reads from `async_engine.engine` (the tokenizer and the context length)."""
+    """What build_app reads from `async_engine.engine`: the tokenizer, the context length, and the
+    engine's own prompt check (so bad token ids are a 400 before any replica is asked)."""
 
-    def __init__(self, tokenizer, max_model_len: int) -> None:
-        self.tokenizer, self.max_model_len = tokenizer, max_model_len
+    encode = Engine.encode  # reads only .tokenizer and .vocab_size
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int | None) -> None:
+        self.tokenizer, self.max_model_len, self.vocab_size = tokenizer, max_model_len, vocab_size
 
 
 class ReplicaClient:
     """Stands in for an AsyncEngine in build_app: requests go to the replicas through the handle."""
 
-    def __init__(self, handle, tokenizer, max_model_len: int) -> None:
+    def __init__(self, handle, tokenizer, max_model_len: int, vocab_size: int | None = None) -> None:
         self.handle = handle.options(stream=True)
-        self.engine = _EngineInfo(tokenizer, max_model_len)
+        self.engine = _EngineInfo(tokenizer, max_model_len, vocab_size)
         self.on_step = None  # build_app sets it; there is no engine in this process
+        self.draining = False  # Ray Serve drains replicas itself on shutdown
         self.streams: dict[str, ReplicaStream] = {}
 
     @property
@@ -205,7 +210,7 @@ class Ingress:
     async def __serve_build_asgi_app__(self):
         from iterserve.server.app import build_app
         info = await self.engines.info.remote()
-        client = ReplicaClient(self.engines, info["tokenizer"], info["max_model_len"])
+        client = ReplicaClient(self.engines, info["tokenizer"], info["max_model_len"], info["vocab_size"])
         metrics = ClusterMetrics(self.app_kwargs["served_model_name"])
         app = build_app(client, metrics=metrics, **self.app_kwargs)
         app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in ("/health", "/metrics")]
