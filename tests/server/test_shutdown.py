@@ -23,6 +23,8 @@ def _stream(url: str, max_tokens: int, events: list, started: threading.Event) -
     body = {"model": MODEL, "prompt": "Tell a story", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            if r.status_code != 200:
+                events.append(f"status {r.status_code}: {r.read()!r}")
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -43,10 +45,11 @@ def test_sigterm_drains_within_the_limit_then_exits(tmp_path):
         short, long_ = [], []
         s1, s2 = threading.Event(), threading.Event()
         threads = [threading.Thread(target=_stream, args=(url, 100, short, s1)),    # ~1 s at 10 ms a step
-                   threading.Thread(target=_stream, args=(url, 5000, long_, s2))]   # ~50 s: past the limit
+                   threading.Thread(target=_stream, args=(url, 1900, long_, s2))]   # ~19 s: past the limit
         for t in threads:
             t.start()
         assert s1.wait(10) and s2.wait(10)
+        assert short[0].startswith("{") and long_[0].startswith("{"), (short[:1], long_[:1])
 
         os.kill(proc.pid, signal.SIGTERM)
         sent = time.monotonic()
@@ -60,8 +63,8 @@ def test_sigterm_drains_within_the_limit_then_exits(tmp_path):
         # the short request finished normally, after the signal
         assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
         # the long one was ended at the limit with an error event, not cut
-        error = json.loads(long_[-2])
-        assert long_[-1] == "[DONE]" and error["error"]["type"] == "server_shutting_down", long_[-3:]
+        assert len(long_) >= 2 and long_[-1] == "[DONE]", long_[-3:]
+        assert json.loads(long_[-2])["error"]["type"] == "server_shutting_down", long_[-3:]
         assert proc.wait(SHUTDOWN_TIMEOUT + 10) in (0, -signal.SIGTERM)
         elapsed = time.monotonic() - sent
         assert SHUTDOWN_TIMEOUT - 0.5 < elapsed < SHUTDOWN_TIMEOUT + 6, elapsed
