@@ -132,7 +132,8 @@ def mount(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,
                                    diagnostics.on_step if diagnostics is not None else None)
     engine = async_engine.engine
     sched, cache, spec = engine.config.scheduler_config, engine.config.cache_config, engine.executor.kv_cache_spec
-    metrics.set_cache_config(spec.block_size, engine.stats.num_kv_blocks, spec.num_host_blocks, spec.dtype,
+    num_kv_blocks = engine.stats.num_kv_blocks  # read once, here: later the engine is the engine thread's
+    metrics.set_cache_config(spec.block_size, num_kv_blocks, spec.num_host_blocks, spec.dtype,
                              cache.enable_prefix_caching, cache.watermark)
     if diagnostics is not None:
         metrics.set_diagnostics(())
@@ -169,7 +170,7 @@ def mount(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,
     @app.get("/v1/dashboard")
     async def dashboard_state(steps: int = 300):
         state = recorder.snapshot(max(1, min(steps, 600)))
-        state["config"] = {"max_num_seqs": sched.max_num_seqs, "num_kv_blocks": engine.stats.num_kv_blocks,
+        state["config"] = {"max_num_seqs": sched.max_num_seqs, "num_kv_blocks": num_kv_blocks,
                            "diagnostics": diagnostics is not None}
         state["diagnostics"] = diagnostics.report()["diagnostics"] if diagnostics is not None else []
         return state
