@@ -44,7 +44,6 @@ class EngineReplica:
 
     def __init__(self, build_engine: Callable[[], object], request_timeout: float | None = None) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.stats = None
         self.num_requests = 0
         self.async_engine = AsyncEngine(build_engine, request_timeout=request_timeout,
                                         on_step=lambda stats, outputs: setattr(self, "stats", stats))
@@ -94,8 +93,6 @@ class ReplicaStream:
         try:
             async for out in self.response:
                 self.num_outputs += 1
-                if out.finished:
-                    self.finished = True
                 yield out
             self.finished = True
         except _REPLICA_GONE as e:
@@ -103,9 +100,14 @@ class ReplicaStream:
             raise EngineDeadError(f"the replica serving this request died after {self.num_outputs} outputs "
                                   f"({type(e).__name__}); retry the request") from e
         finally:
-            if not self.finished:  # the client went away: cancelling reaches the replica, which aborts it
-                self.finished = True
-                self.response.cancel()
+            self.close()
+
+    def close(self) -> None:
+        """Ends the call; one still running is cancelled, which reaches the replica and aborts the request."""
+        self.engine.streams.pop(self.request_id, None)
+        if not self.finished:
+            self.finished = True
+            self.response.cancel()
 
 
 class _EngineInfo:
@@ -126,7 +128,7 @@ class ReplicaClient:
         self.engine = _EngineInfo(tokenizer, max_model_len, vocab_size)
         self.on_step = None  # build_app sets it; there is no engine in this process
         self.draining = False  # Ray Serve drains replicas itself on shutdown
-        self.streams: dict[str, ReplicaStream] = {}
+        self.streams: dict[str, ReplicaStream] = {}  # open calls, by request id (abort cancels them)
 
     @property
     def dead(self) -> BaseException | None:
@@ -152,11 +154,14 @@ class ReplicaClient:
                 logger.warning("request %s: its replica died before it started (%s); retrying", request_id, e)
                 error = e
                 continue
-            return ReplicaStream(request_id, self, response)
+            self.streams[request_id] = stream = ReplicaStream(request_id, self, response)
+            return stream
         raise EngineDeadError(f"no replica could take the request: {error!r}")
 
     def abort(self, request_id: str) -> None:
-        pass  # a ReplicaStream cancels its own call when it ends early
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.close()
 
 
 def replica_stats() -> dict[str, dict]:

@@ -97,6 +97,26 @@ def test_bad_input_is_the_replicas_own_error_and_not_retried():
     assert len(handle.calls) == 1
 
 
+def test_abort_cancels_the_call_and_forgets_the_stream():
+    response = Response([None, output(1, False), output(2, True)])
+    client = ReplicaClient(Handle([response]), None, 100)
+
+    async def run():
+        await client.add_request([1], SamplingParams(), "r")
+        assert set(client.streams) == {"r"}
+        client.abort("r")
+
+    asyncio.run(run())
+    assert response.cancelled and client.streams == {}
+
+
+def test_a_finished_stream_is_not_cancelled():
+    response = Response([None, output(1, False), output(2, True)])
+    client = ReplicaClient(Handle([response]), None, 100)
+    assert len(asyncio.run(collect(client))) == 2
+    assert not response.cancelled and client.streams == {}
+
+
 def test_a_stream_closed_early_cancels_its_call():
     response = Response([None, output(1, False), output(2, False), output(3, True)])
 
