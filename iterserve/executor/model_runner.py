@@ -121,7 +121,8 @@ class ModelRunner:
         """What this runner is built from: engines whose configs share the key may share one runner."""
         c = config.cache_config
         return repr((config.model_config, c.block_size, c.num_kv_blocks, c.kv_cache_memory, c.gpu_memory_utilization,
-                     config.swap_space_bytes, config.scheduler_config.preemption_mode == "auto"))
+                     config.swap_space_bytes, config.scheduler_config.preemption_mode == "auto",
+                     config.parallel_config.tensor_parallel_size, config.parallel_config.distributed_port))
 
     def shutdown(self) -> None:
         """Nothing outlives the process here; multi-process executors stop their workers."""
