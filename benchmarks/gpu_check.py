@@ -447,14 +447,14 @@ def run_bench_section(args) -> dict:
                          random_llama_weights(shape, torch.bfloat16 if cuda else torch.float32, kw["device"]))
     build_s = time.perf_counter() - t
     info = {"shape": asdict(shape), "engine": kw, "runner_build_s": build_s, "dtype": str(runner.dtype),
-            "attention": runner.model.attention.name, "num_kv_blocks": runner.num_kv_blocks,
-            "kv_pool_gib": runner.num_kv_blocks * runner.bytes_per_block / 2**30,
+            "attention": runner.model.attention.name, "num_kv_blocks": runner.kv_cache_spec.num_device_blocks,
+            "kv_pool_gib": runner.kv_cache_spec.num_device_blocks * runner.kv_cache_spec.bytes_per_block / 2**30,
             "cuda_graph_sizes": sorted(runner.graphs.graphs) if runner.graphs else [],
             "command": f"iterserve bench --targets continuous,static --num-requests {n} --prompt-len {prompt_len} "
                        f"--output-dist exponential --output-mean {out_mean} --output-max {out_max} "
                        f"--max-num-seqs {seats} --seed 0  (model: random Llama-3-8B shape, built in memory)"}
     log(f"bench runner: {build_s:.1f} s to build (weights, KV profile, graph capture), attention "
-        f"{info['attention']}, {runner.num_kv_blocks} KV blocks ({info['kv_pool_gib']:.1f} GiB), "
+        f"{info['attention']}, {runner.kv_cache_spec.num_device_blocks} KV blocks ({info['kv_pool_gib']:.1f} GiB), "
         f"graphs {info['cuda_graph_sizes']}")
 
     def factory(scheduling: str, engine_kwargs: dict) -> Engine:
@@ -486,7 +486,7 @@ def smol_greedy(runner, prompts: list[list[int]], max_tokens: int) -> list[list[
     from iterserve.engine import Engine
     from iterserve.sampling_params import SamplingParams
     engine = Engine(EngineConfig(dtype="float32", max_num_seqs=8, max_num_batched_tokens=16,
-                                 num_kv_blocks=min(runner.num_kv_blocks, 256)), executor=runner)
+                                 num_kv_blocks=min(runner.kv_cache_spec.num_device_blocks, 256)), executor=runner)
     ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
            for p in prompts]
     done = {}

@@ -44,7 +44,7 @@ def offline_runner(args, engine_argv: list[str]):
     p = argparse.ArgumentParser()
     add_engine_args(p)
     config = config_from_args(p.parse_args(engine_argv))
-    llm = LLM(**{name: getattr(config, name) for name in config.field_names()})
+    llm = LLM(**config.flat())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts(2), params, use_tqdm=False)  # warm-up
 

@@ -56,7 +56,7 @@ def main() -> None:
     wbytes = sum(w.nbytes for w in weights)
     params = sum(w.shape[0] * w.shape[1] for w in weights)
     head_params = weights[-1].shape[0] * weights[-1].shape[1]  # linear_weights ends with the LM head
-    kv_per_token = runner.bytes_per_block // runner.block_size  # all layers, K and V
+    kv_per_token = runner.kv_cache_spec.bytes_per_block // runner.block_size  # all layers, K and V
     attn_flops_per_pair = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T and PV, per (query, key)
     bw, peak = bandwidth(), matmul_peak(dtype)
     print(f"machine: copy bandwidth {bw / 1e9:.1f} GB/s, {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s, "

@@ -123,7 +123,7 @@ def main() -> None:
     bw, peak = bandwidth(), matmul_peak(dtype)
     print(f"dtype {dtype}, quantization {args.quantization}, threads {torch.get_num_threads()}, linear weights {wbytes / 1e6:.0f} MB, "
           f"copy bandwidth {bw / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.0f} GFLOP/s")
-    hf = None if args.no_hf else hf_model(runner.config.model or __import__(
+    hf = None if args.no_hf else hf_model(runner.config.model_config.model or __import__(
         "iterserve.model.loader", fromlist=["x"]).default_model_path(), dtype)
     # plain float weights of the same shapes through F.linear: the bare pass without oneDNN's packing
     # (or quantization); the matmul's cost does not depend on the values
