@@ -81,7 +81,7 @@ class TPExecutor:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         if self._dead is not None:
             raise ExecutorDeadError(self._dead)
-        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
+        data = pickle.dumps(_for_the_wire(plan), protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
         for conn in self._conns:
             try:
                 conn.send_bytes(data)
@@ -132,6 +132,18 @@ class TPExecutor:
                            "`if __name__ == \"__main__\":`, as each spawned rank imports the script)")
         self.shutdown()
         raise (ValueError if users_mistake and during == "start-up" else ExecutorDeadError)(self._dead)
+
+
+def _for_the_wire(plan: SchedulerOutput) -> SchedulerOutput:
+    """The plan without the token histories the ranks will not read: a request's prompt and output
+    ids are read only for penalties and prompt logprobs, and sent every step they would be most of
+    the pickle (64 requests x 1,200 tokens: 216 KB, against 15 KB without)."""
+    def read(r) -> bool:
+        return r.sampling_params.has_penalties or r.sampling_params.prompt_logprobs is not None
+    if all(map(read, plan.scheduled)):
+        return plan
+    return replace(plan, scheduled=[r if read(r) else replace(r, prompt_token_ids=[], output_token_ids=[])
+                                    for r in plan.scheduled])
 
 
 def _how_it_ended(code: int) -> str:

@@ -101,6 +101,32 @@ def test_tp2_preempted(float_pair, prompts, mode):
     assert_close_all(got, want)
 
 
+def test_tp2_penalties_and_prompt_logprobs_next_to_plain_requests(float_pair, prompts):
+    """The ranks get a request's token history only where the sampler reads it (penalties, prompt
+    logprobs): requests that need it, batched with requests that do not, sample as under TP=1."""
+    tp1, tp2 = float_pair
+    asks = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5),
+            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5, repetition_penalty=1.5,
+                           presence_penalty=0.5, frequency_penalty=0.3),
+            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=5, prompt_logprobs=3)]
+
+    def outputs(executor):
+        engine = Engine(EngineConfig(dtype="float32"), executor=executor)
+        for i, params in enumerate(asks):
+            engine.add_request(prompts[4], params, request_id=str(i))
+        done = {}
+        while engine.has_unfinished():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [done[str(i)] for i in range(len(asks))]
+    want, got = outputs(tp1), outputs(tp2)
+    assert want[0].token_ids != want[1].token_ids, "the penalties were meant to change the tokens"
+    assert_close_all([(o.token_ids, [{t for t, _ in lp.top} for lp in o.logprobs]) for o in got],
+                     [(o.token_ids, [{t for t, _ in lp.top} for lp in o.logprobs]) for o in want], n=4, max_diverged=0)
+    ours, theirs = got[2].prompt_logprobs[1:], want[2].prompt_logprobs[1:]
+    assert len(ours) == len(prompts[4]) - 1
+    assert [a.logprob for a in ours] == pytest.approx([b.logprob for b in theirs], abs=1e-3)
+
+
 def test_tp2_int8(tiny_model, float_pair, prompts):
     """int8 scales are per output row, so the row-parallel o/down slices get their own (each over
     fewer weights): TP=2 int8 is a slightly different quantization from TP=1 int8. Every prompt must
