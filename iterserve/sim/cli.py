@@ -176,7 +176,7 @@ def run_simulation(args: argparse.Namespace) -> int:
         if "replicas" in r.extra:
             per = r.extra["requests_per_replica"]
             print(f"{r.name}: prefix cache hit rate {r.extra['prefix_hit_rate']:.1%}, "
-                  f"requests per replica {min(per)}..{max(per)}")
+                  f"requests per replica {min(per)}..{max(per)}; simulated in {r.extra['wall_s']:.1f} s")
     bench_cli.write_report(report, args.json)
     if args.plot:
         for path in bench_cli.plots().plot_all(results, args.plot):

@@ -10,6 +10,7 @@ keeps each event O(log replicas); the router's choice is O(replicas).
 from __future__ import annotations
 
 import heapq
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -102,6 +103,8 @@ def run_cluster_targets(trace: Trace, targets: list[str], engine_kwargs: dict, f
     for target in targets:
         base, overrides = parse_engine_target(target)
         engines = [factory(base, {**engine_kwargs, **overrides}) for _ in range(replicas)]
+        start = time.perf_counter()
         result, _ = run_cluster(engines, trace, make_router(policy, seed), f"{target} x{replicas} {policy}")
+        result.extra["wall_s"] = time.perf_counter() - start  # how long simulating took, not modelled time
         results.append(result)
     return results
