@@ -33,11 +33,13 @@ class LayerWeights:
     o: Weight
     attn_out_norm: torch.Tensor | None  # on attention's output (Gemma 2/3, OLMo 2)
     mlp_norm: torch.Tensor | None  # before the MLP (None: OLMo 2)
-    gate_up: Weight  # [2 * intermediate, hidden]
-    down: Weight
+    gate_up: Weight | None  # [2 * intermediate, hidden]; None in a routed-experts layer
+    down: Weight | None
     mlp_out_norm: torch.Tensor | None  # on the MLP's output (Gemma 2/3, OLMo 2)
     window: int  # attention window; 0: the whole context
     rope: int  # index into LlamaModel.rope_tables
+    router: torch.Tensor | None = None  # [experts, hidden] (Qwen3-MoE, Mixtral)
+    experts: list[tuple[Weight, Weight]] | None = None  # each expert's (gate_up, down)
 
 
 def rope_cos_sin(cfg: ModelArch, n: int, theta: float, scaling: dict | None,
@@ -110,10 +112,13 @@ class LlamaModel:
             self.lm_head = quantize(self.lm_head, "int8")  # int8 in both modes, as the GGUF keeps it Q8_0
         else:
             self.lm_head = pack_float(self.lm_head)
+        pack = (lambda t: quantize(t, quantization)) if quantization else pack_float  # noqa: E731
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
-                weight = getattr(layer, name)
-                setattr(layer, name, quantize(weight, quantization) if quantization else pack_float(weight))
+                if getattr(layer, name) is not None:
+                    setattr(layer, name, pack(getattr(layer, name)))
+            if layer.experts is not None:
+                layer.experts = [(pack(gate_up), pack(down)) for gate_up, down in layer.experts]
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.attention = attention_backend(self.device, block_size, self.dtype)  # torch or triton
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -140,9 +145,15 @@ class LlamaModel:
         attn_norm, attn_out_norm, mlp_norm, mlp_out_norm = (self._norm_weight(w[p + k + ".weight"]) if k else None
                                                             for k in norms)
         qk = cfg.qk_norm != "none"
-        o, down = w[a + "o_proj.weight"], w[m + "down_proj.weight"]
+        o = w[a + "o_proj.weight"]
         if cfg.residual_multiplier != 1.0:  # Granite scales each block's output: fold it into the last linear
-            o, down = o * cfg.residual_multiplier, down * cfg.residual_multiplier
+            o = o * cfg.residual_multiplier
+        gate_up = down = router = experts = None
+        if cfg.num_experts and (not cfg.moe_layers or cfg.moe_layers[i]):
+            router = w[m + "gate.weight"]
+            experts = [self._mlp_weights(w, f"{m}experts.{j}.") for j in range(cfg.num_experts)]
+        else:
+            gate_up, down = self._mlp_weights(w, m)
         windowed = window and cfg.sliding_layers[i]
         return LayerWeights(
             attn_norm=attn_norm,
@@ -150,9 +161,14 @@ class LlamaModel:
             qkv_bias=bias, q_norm=self._norm_weight(w[a + "q_norm.weight"]) if qk else None,
             k_norm=self._norm_weight(w[a + "k_norm.weight"]) if qk else None,
             o=o.contiguous(), attn_out_norm=attn_out_norm, mlp_norm=mlp_norm,
-            gate_up=torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]).contiguous(),
-            down=down.contiguous(), mlp_out_norm=mlp_out_norm, window=window if windowed else 0,
-            rope=1 if cfg.rope_local_theta is not None and cfg.sliding_layers and cfg.sliding_layers[i] else 0)
+            gate_up=gate_up, down=down, mlp_out_norm=mlp_out_norm, window=window if windowed else 0,
+            rope=1 if cfg.rope_local_theta is not None and cfg.sliding_layers and cfg.sliding_layers[i] else 0,
+            router=router, experts=experts)
+
+    def _mlp_weights(self, w: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up = torch.cat([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]]).contiguous()
+        down = w[prefix + "down_proj.weight"]
+        return gate_up, (down * self.cfg.residual_multiplier if self.cfg.residual_multiplier != 1.0 else down).contiguous()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -191,17 +207,33 @@ class LlamaModel:
         if layer.attn_out_norm is not None:
             out = self._rms_norm(out, layer.attn_out_norm)
         h = self._add_norm(x, out, layer.mlp_norm)
-        gate_up = linear(h, layer.gate_up)
-        if self.cpu_ops and self.silu:
-            out = linear(cpu_kernels.silu_mul(gate_up), layer.down)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")
-            out = linear(act * up, layer.down)
-        out = self._reduce(out)
+        out = self._reduce(self._mlp(h, layer.gate_up, layer.down) if layer.experts is None else self._moe(h, layer))
         if layer.mlp_out_norm is not None:
             out = self._rms_norm(out, layer.mlp_out_norm)
         return x, out
+
+    def _mlp(self, h: torch.Tensor, gate_up_w: Weight, down_w: Weight) -> torch.Tensor:
+        gate_up = linear(h, gate_up_w)
+        if self.cpu_ops and self.silu:
+            return linear(cpu_kernels.silu_mul(gate_up), down_w)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")
+        return linear(act * up, down_w)
+
+    def _moe(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """Routed experts as transformers computes them: softmax over the router's logits in float32, the
+        top k (renormalized where the family does), each expert run once on the rows routed to it."""
+        probs = torch.softmax(F.linear(h, layer.router).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in chosen.unique().tolist():  # a loop over the experts hit, not over tokens
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            gate_up, down = layer.experts[e]
+            out.index_add_(0, rows, self._mlp(h[rows], gate_up, down) * weights[rows, slot, None])
+        return out
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel output is one rank's partial sum under tensor parallelism."""

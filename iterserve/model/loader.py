@@ -59,6 +59,12 @@ class ModelArch:
     sliding_window: int = 0  # a windowed layer's query sees the last `sliding_window` positions; 0 = none
     sliding_layers: list[bool] = field(default_factory=list)  # per layer: windowed? (empty: none)
     rope_local_theta: float | None = None  # Gemma 3: the windowed layers' rope base (no scaling)
+    # routed experts (Qwen3-MoE, Mixtral): each token's MLP is the router-weighted sum of its top-k experts'
+    num_experts: int = 0  # 0: a dense MLP
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the top-k router probabilities renormalized to sum to 1
+    moe_layers: list[bool] = field(default_factory=list)  # per layer: routed? (empty: all, when num_experts)
 
 
 # The families the forward pass implements, by HF model_type: what their config.json leaves implicit.
@@ -67,10 +73,11 @@ FAMILIES: dict[str, dict] = {
     "gemma2": {"norm_placement": "sandwich", "norm_weight_offset": 1.0},
     "gemma3_text": {"norm_placement": "sandwich", "norm_weight_offset": 1.0, "qk_norm": "head"},
     "phi3": {}, "olmo2": {"norm_placement": "post", "qk_norm": "full"}, "granite": {},
+    "qwen3_moe": {"qk_norm": "head"}, "mixtral": {},
 }
 # GGUF general.architecture -> family. llama.cpp writes Mistral as "llama".
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text",
-              "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
+              "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "qwen3moe": "qwen3_moe"}
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # Gemma's alternation when a config or GGUF does not list its windowed layers: every Nth layer is global
@@ -147,6 +154,9 @@ def _gguf_config(path: str) -> ModelArch:
         raise _refuse("GGUF architecture", arch, GGUF_ARCHS)
     family, names = GGUF_ARCHS[arch], f["_tensor_names"]
     g = lambda key, default=None: f.get(f"{arch}.{key}", default)  # noqa: E731
+    experts = int(g("expert_count", 0) or 0)
+    if family == "llama" and experts:  # llama.cpp writes Mixtral as llama with experts
+        family = "mixtral"
     n, hidden, heads = int(g("block_count")), int(g("embedding_length")), int(g("attention.head_count"))
     head_dim = int(g("attention.key_length", g("rope.dimension_count", hidden // heads)))
     vocab = g("vocab_size") or len(_gguf_vocab(path))
@@ -172,7 +182,10 @@ def _gguf_config(path: str) -> ModelArch:
         attn_logit_softcap=float(g("attn_logit_softcapping", 0.0) or 0.0),
         final_logit_softcap=float(g("final_logit_softcapping", 0.0) or 0.0),
         sliding_window=window, sliding_layers=_window_layers(window, g("attention.sliding_window_pattern"), family, n),
-        rope_local_theta=float(g("rope.freq_base_swa", 10000.0)) if family == "gemma3_text" else None)
+        rope_local_theta=float(g("rope.freq_base_swa", 10000.0)) if family == "gemma3_text" else None,
+        num_experts=experts, num_experts_per_tok=int(g("expert_used_count", 0) or 0),
+        moe_intermediate_size=int(g("expert_feed_forward_length", 0) or g("feed_forward_length")),
+        moe_layers=[f"blk.{i}.ffn_gate_inp.weight" in names for i in range(n)] if experts else [])
 
 
 def _gguf_rope_scaling(path: str, g, names: set[str]) -> dict | None:
@@ -236,7 +249,19 @@ def _hf_config(path: str) -> ModelArch:
         logits_multiplier=1.0 / c.get("logits_scaling", 1.0),
         attn_logit_softcap=c.get("attn_logit_softcapping") or 0.0,
         final_logit_softcap=c.get("final_logit_softcapping") or 0.0,
-        sliding_window=window, sliding_layers=layers, rope_local_theta=local_theta)
+        sliding_window=window, sliding_layers=layers, rope_local_theta=local_theta, **_hf_moe(c, n))
+
+
+def _hf_moe(c: dict, n: int) -> dict:
+    """Routed experts: Qwen3-MoE's dense layers are mlp_only_layers and those off decoder_sparse_step."""
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+    return dict(num_experts=experts, num_experts_per_tok=c["num_experts_per_tok"],
+                moe_intermediate_size=c.get("moe_intermediate_size") or c["intermediate_size"],
+                norm_topk_prob=c.get("norm_topk_prob", True),
+                moe_layers=[i not in dense and (i + 1) % step == 0 for i in range(n)])
 
 
 def _hf_eos_ids(path: str, c: dict) -> list[int]:
@@ -304,6 +329,8 @@ _GGUF_LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 # where a family's HF names differ: Gemma's ffn_norm is the norm before the MLP, with its own name;
 # Phi-3's ffn_up is gate and up fused
@@ -312,7 +339,7 @@ _GGUF_FAMILY_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
 _GGUF_CONFIG_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}  # read by _gguf_config
-_GGUF_PERMUTED = ("llama", "granite")  # convert_hf_to_gguf permutes Q/K rows only for LlamaModel and its subclasses
+_GGUF_PERMUTED = ("llama", "granite", "mixtral")  # convert_hf_to_gguf permutes Q/K rows for LlamaModel and its subclasses
 
 
 def gguf_to_hf_name(name: str, family: str = "llama") -> str | None:
@@ -340,7 +367,19 @@ def load_weights(path: str, config: ModelArch, dtype: torch.dtype = torch.float3
     return {k: v.to(device=device, dtype=dtype) for k, v in _split_fused(raw, config).items()}
 
 
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
 def _split_fused(w: dict[str, torch.Tensor], cfg: ModelArch) -> dict[str, torch.Tensor]:
+    """Phi-3's fused projections and GGUF's stacked experts [E, out, in] apart; Mixtral's names as Qwen3-MoE's."""
+    for name in [k for k in w if ".block_sparse_moe." in k]:
+        new = name
+        for old, hf in _MIXTRAL_NAMES.items():
+            new = new.replace(old, hf)
+        w[new] = w.pop(name)
+    for name in [k for k in w if ".mlp.experts." in k and w[k].ndim == 3]:
+        for j, t in enumerate(w.pop(name)):
+            w[name.replace(".experts.", f".experts.{j}.")] = t
     sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
     for name in [k for k in w if k.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
         fused = w.pop(name)

@@ -53,6 +53,9 @@ FAMILIES = {
     "olmo2": dict(model_type="olmo2"),
     "granite": dict(model_type="granite", embedding_multiplier=6.0, residual_multiplier=0.4,
                     attention_multiplier=0.2, logits_scaling=4.0),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
 }
 
 
@@ -96,18 +99,19 @@ def test_family_matches_transformers(tmp_path, family, prompts):
         assert close(a, b, NEW_TOKENS), f"{family} bf16 prompt {i}: {a[0]} vs transformers {b[0]}"
 
     gguf_path = tmp_path / f"{family}.gguf"
-    write_gguf(gguf_path, hf)
+    write_gguf(gguf_path, hf, tmp_path / "hf")
     assert [t for t, _ in run(str(gguf_path), "float32", prompts)] == [t for t, _ in ours]
 
 
 # ---------------------------------------------------------------- the same checkpoint as GGUF
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-             "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
+             "gemma3_text": "gemma3", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite", "qwen3_moe": "qwen3moe",
+             "mixtral": "llama"}
 
 
-def write_gguf(path, hf) -> None:
-    """What llama.cpp's convert_hf_to_gguf writes for these weights, as far as the loader reads it:
+def write_gguf(path, hf, hf_dir) -> None:
+    """What llama.cpp's convert_hf_to_gguf writes for the checkpoint in hf_dir, as far as the loader reads it:
     llama.cpp's tensor names, Q/K rows permuted for Llama and Granite, Gemma's norms with the 1 added,
     Phi-3's longrope factors as tensors."""
     import gguf
@@ -143,7 +147,14 @@ def write_gguf(path, hf) -> None:
         for key, val in [("embedding_scale", c.embedding_multiplier), ("residual_scale", c.residual_multiplier),
                          ("attention.scale", c.attention_multiplier), ("logit_scale", c.logits_scaling)]:
             w.add_float32(f"{arch}.{key}", val)
-    state = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    from safetensors.numpy import load_file
+    state = {k: v.astype(np.float32) for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if experts:  # llama.cpp stacks each layer's experts into one [experts, out, in] tensor per projection
+        w.add_uint32(f"{arch}.expert_count", experts)
+        w.add_uint32(f"{arch}.expert_used_count", c.num_experts_per_tok)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", getattr(c, "moe_intermediate_size", c.intermediate_size))
+        state = stack_experts(state, experts)
     if rope.get("rope_type") == "llama3":  # llama.cpp stores llama3 scaling as per-frequency divisors
         from iterserve.model.llama import _llama3_scale
         base = rope["rope_theta"] ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
@@ -160,6 +171,11 @@ def write_gguf(path, hf) -> None:
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         stem, suffix = name.rsplit(".", 1)
+        if ".experts." in stem or stem.endswith(("mlp.gate", "block_sparse_moe.gate")):
+            layer, what = stem.split(".")[2], stem.rsplit(".", 1)[1]
+            stem = f"blk.{layer}.ffn_{'gate_inp' if what == 'gate' else what[:-5] + '_exps'}"
+            w.add_tensor(f"{stem}.{suffix}", np.ascontiguousarray(t))
+            continue
         if arch in ("llama", "granite") and stem.endswith(("q_proj", "k_proj")):
             t = hf_permute(t, c.num_attention_heads if stem.endswith("q_proj") else c.num_key_value_heads)
         if gemma and stem.endswith("norm"):
@@ -169,6 +185,22 @@ def write_gguf(path, hf) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def stack_experts(state: dict[str, np.ndarray], experts: int) -> dict[str, np.ndarray]:
+    """HF's per-expert tensors (Mixtral's w1/w3/w2 named as Qwen3-MoE's) as one stacked tensor per layer."""
+    renames = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    out, stacks = {}, {}
+    for name, t in state.items():
+        parts = [renames.get(x, x) for x in name.split(".")]
+        if "experts" in parts:
+            i = parts.index("experts")
+            stacks.setdefault(".".join(parts[:i + 1] + parts[i + 2:]), {})[int(parts[i + 1])] = t
+        else:
+            out[".".join(parts)] = t
+    for name, per_expert in stacks.items():
+        out[name] = np.stack([per_expert[j] for j in range(experts)])
+    return out
 
 
 # ---------------------------------------------------------------- what is refused, and EOS ids
@@ -202,7 +234,7 @@ def test_unknown_gguf_architecture_and_tensor_are_refused_by_name(tmp_path):
         load_model_arch(str(tmp_path / "m.gguf"))
 
     hf = build_checkpoint(tmp_path / "hf", "llama")
-    write_gguf(tmp_path / "llama.gguf", hf)
+    write_gguf(tmp_path / "llama.gguf", hf, tmp_path / "hf")
     from gguf import GGUFReader, GGUFWriter
     src = GGUFReader(str(tmp_path / "llama.gguf"))
     w = GGUFWriter(str(tmp_path / "extra.gguf"), "llama")
