@@ -80,3 +80,16 @@ def test_cli_closed_loop_is_a_clear_error(capsys):
 def test_cli_bad_replica_count(bad, capsys):
     assert simulate(["--num-requests", "10", "--replicas", bad, "--router", "round-robin"]) == 2
     assert "data_parallel_size: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_replicas_in_worker_processes_give_the_same_figures():
+    from iterserve.sim.cluster import run_cluster_parallel
+    trace = multi_tenant_trace(4, 96, 120, user_len=24, output_len=12, request_rate=300, seed=5)
+    make = lambda: engines(1, num_kv_blocks=120)[0]  # noqa: E731
+    one, one_stats = run_cluster([make() for _ in range(5)], trace, make_router("prefix-affinity"))
+    par, par_stats = run_cluster_parallel(make, 5, 2, trace, make_router("prefix-affinity"))
+    key = lambda m: (m.request_id, m.ttft, m.e2e, m.output_len, tuple(m.itl))  # noqa: E731
+    assert [key(m) for m in par.requests] == [key(m) for m in one.requests]
+    assert par_stats == one_stats and len(par.steps) == len(one.steps)
+    assert simulate(["--num-requests", "30", "--request-rate", "60", "--targets", "continuous",
+                     "--replicas", "3", "--sim-workers", "2"]) == 0
