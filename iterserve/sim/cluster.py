@@ -2,10 +2,11 @@
 
 Each replica is a real Engine (its own Scheduler and KV manager) with a SimulatedExecutor and its
 own VirtualClock, which reads the time that replica has reached: replicas step in parallel, so one
-replica's step must not move another's clock. The driver is a discrete-event loop over one shared
-timeline: the next event is either the next arrival (routed by the same policy object the Ray Serve
-app uses) or the end of the earliest replica's step. A heap of busy replicas keyed by their clocks
-keeps each event O(log replicas); the router's choice is O(replicas).
+replica's step must not move another's clock. Replicas meet only when a request is routed, so the
+driver walks the arrivals in time order: it steps every replica whose clock is before the next
+arrival (a heap of busy replicas keyed by their clocks, O(log replicas) a step), then routes the
+arrival with the same policy object the Ray Serve app uses (O(replicas)). The replicas may be split
+into groups in worker processes (`--sim-workers`), which step at the same time between arrivals.
 """
 from __future__ import annotations
 
