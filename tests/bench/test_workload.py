@@ -98,3 +98,19 @@ def test_prompts_are_real_text_cut_to_length(tokenizer):
         assert len(r.prompt_token_ids) == r.prompt_len
     text = tokenizer.decode(t.requests[0].prompt_token_ids)
     assert sum(c.isalpha() for c in text) > 0.5 * len(text)
+
+
+def test_multi_tenant_trace_gives_each_tenant_its_own_system_prompt():
+    from iterserve.bench.workload import multi_tenant_trace
+    trace = multi_tenant_trace(8, 100, 64, user_len=20, output_len=5, request_rate=10, seed=1)
+    tenants: dict[str, list[int]] = {}
+    for r in trace.requests:
+        tenant = r.request_id.split("-")[0]
+        assert r.prompt_len == len(r.prompt_token_ids) == 120 and r.output_len == 5
+        assert tenants.setdefault(tenant, r.prompt_token_ids[:100]) == r.prompt_token_ids[:100]
+    assert len(tenants) == 8 and len({tuple(p) for p in tenants.values()}) == 8
+    order = [r.request_id.split("-")[0] for r in trace.requests]
+    assert sum(a != b for a, b in zip(order, order[1:])) > 32  # interleaved, not tenant after tenant
+    assert [r.arrival_time for r in trace.requests] == sorted(r.arrival_time for r in trace.requests)
+    again = multi_tenant_trace(8, 100, 64, user_len=20, output_len=5, request_rate=10, seed=1)
+    assert [r.prompt_token_ids for r in again.requests] == [r.prompt_token_ids for r in trace.requests]
