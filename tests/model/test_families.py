@@ -81,7 +81,7 @@ def prompts() -> list[list[int]]:
 
 def run(path: str, dtype: str, prompts):
     arch = load_model_arch(path)
-    config = EngineConfig(dtype=dtype, num_kv_blocks=64, block_size=BLOCK)
+    config = EngineConfig(dtype=dtype, num_kv_blocks=64, block_size=BLOCK, num_threads=1)
     runner = ModelRunner(config, arch, load_weights(path, arch, getattr(torch, dtype)))
     return generate(runner, prompts, num_tokens=NEW_TOKENS, block_size=BLOCK, num_kv_blocks=64)[0]
 
@@ -272,7 +272,7 @@ def test_a_checkpoint_with_two_eos_ids_stops_on_the_second(tmp_path, prompts):
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [a, b]}))
     arch = load_model_arch(str(tmp_path))
-    config = EngineConfig(dtype="float32", num_kv_blocks=64, block_size=BLOCK)
+    config = EngineConfig(dtype="float32", num_kv_blocks=64, block_size=BLOCK, num_threads=1)
     engine = Engine(config, executor=ModelRunner(config, arch, load_weights(str(tmp_path), arch)))
     engine.add_request(prompts[0], SamplingParams(max_tokens=NEW_TOKENS, temperature=0), request_id="r")
     outputs = []

