@@ -37,7 +37,7 @@ from iterserve.config import EngineConfig
 from iterserve.executor.base import ExecutorDeadError
 from iterserve.executor.model_runner import ModelRunner, eos_token_ids, pick_device, pick_dtype
 from iterserve.model.loader import default_model_path, load_model_arch, load_tokenizer, load_weights
-from iterserve.model.sharding import TensorParallel, check_tp_size, rank_arch, shard_weights
+from iterserve.model.sharding import TensorParallel, check_tp_size, lm_head, rank_arch, shard_weights
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 
 logger = logging.getLogger("iterserve.tp")
@@ -239,8 +239,9 @@ def build_rank(rank: int, n: int, config: EngineConfig, port: int) -> ModelRunne
     arch = load_model_arch(path)
     full = load_weights(path, arch, pick_dtype(mc.dtype, device), "cpu")  # sliced on the host: one shard each on the device
     shard = {k: v.to(device) for k, v in shard_weights(full, arch, rank, n).items()}
+    tp = TensorParallel(rank, n, vocab_size=lm_head(full, arch).shape[0])
     del full
-    return ModelRunner(config, rank_arch(arch, n), shard, tp=TensorParallel(rank, n, arch.vocab_size))
+    return ModelRunner(config, rank_arch(arch, n), shard, tp=tp)
 
 
 def _report(conn: Connection, exc: BaseException) -> None:

@@ -64,10 +64,15 @@ def shard_weights(weights: dict[str, torch.Tensor], arch: ModelArch, rank: int, 
             out[name] = w.chunk(n, dim=1)[rank].clone()
         elif name != "lm_head.weight":
             out[name] = w
-    head = weights["model.embed_tokens.weight"] if arch.tie_word_embeddings else \
-        weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    out["lm_head.weight"] = _vocab_shard(head, rank, n)
+    out["lm_head.weight"] = _vocab_shard(lm_head(weights, arch), rank, n)
     return out
+
+
+def lm_head(weights: dict[str, torch.Tensor], arch: ModelArch) -> torch.Tensor:
+    """The whole LM head, as LlamaModel picks it; its rows (not config.json's vocab_size, which
+    may differ) are the logits' width."""
+    embed = weights["model.embed_tokens.weight"]
+    return embed if arch.tie_word_embeddings else weights.get("lm_head.weight", embed)
 
 
 def _vocab_shard(head: torch.Tensor, rank: int, n: int) -> torch.Tensor:
