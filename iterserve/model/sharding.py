@@ -24,16 +24,22 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # weight and b
 _ROW = ("o_proj", "down_proj")  # weight columns split
 
 
+def _split_counts(arch: ModelArch) -> dict[str, int]:
+    """What each rank takes a 1/N share of, whole: heads, kv heads (never replicated), MLP rows."""
+    counts = {"attention heads": arch.num_heads, "kv heads": arch.num_kv_heads,
+              "intermediate size": arch.intermediate_size}
+    if arch.num_experts:  # each expert is split like a dense MLP; the router stays whole
+        counts["expert intermediate size"] = arch.moe_intermediate_size
+    return counts
+
+
 def valid_tp_sizes(arch: ModelArch, limit: int = 64) -> list[int]:
-    g = math.gcd(arch.num_heads, arch.num_kv_heads, arch.intermediate_size)
+    g = math.gcd(*_split_counts(arch).values())
     return [n for n in range(1, min(g, limit) + 1) if g % n == 0]
 
 
 def check_tp_size(arch: ModelArch, n: int) -> None:
-    """Heads are split whole and kv heads are not replicated: N must divide both, and the MLP width."""
-    counts = {"attention heads": arch.num_heads, "kv heads": arch.num_kv_heads,
-              "intermediate size": arch.intermediate_size}
-    bad = [f"{v} {k}" for k, v in counts.items() if v % n]
+    bad = [f"{v} {k}" for k, v in _split_counts(arch).items() if v % n]
     if n > 1 and arch.qk_norm == "full":
         raise ValueError(f"tensor parallelism cannot split {arch.architecture}'s q/k norm: it spans all heads")
     if bad:
@@ -45,7 +51,8 @@ def rank_arch(arch: ModelArch, n: int) -> ModelArch:
     """The shapes one rank computes. The LM head is never tied on a rank: the shard is not the embedding."""
     check_tp_size(arch, n)
     return dataclasses.replace(arch, num_heads=arch.num_heads // n, num_kv_heads=arch.num_kv_heads // n,
-                               intermediate_size=arch.intermediate_size // n, tie_word_embeddings=False)
+                               intermediate_size=arch.intermediate_size // n,
+                               moe_intermediate_size=arch.moe_intermediate_size // n, tie_word_embeddings=False)
 
 
 def vocab_shard_size(vocab_size: int, n: int) -> int:

@@ -11,7 +11,8 @@ import torch
 
 from iterserve.model.llama import LlamaModel
 from iterserve.model.loader import load_model_arch, load_weights
-from iterserve.model.sharding import check_tp_size, rank_arch, shard_weights, valid_tp_sizes
+from iterserve.model.sharding import check_tp_size, lm_head, rank_arch, shard_weights, valid_tp_sizes
+from tests.model.test_families import FAMILIES, build_checkpoint
 from tests.model.test_llama import BS, metadata
 
 
@@ -80,7 +81,7 @@ def test_two_shards_give_the_whole_models_logits(tmp_path, bias, quantization):
     arch = load_model_arch(path)
     weights = load_weights(path, arch)
     whole = LlamaModel(arch, weights, BS, quantization=quantization)
-    group = ThreadGroup(2, arch.vocab_size)
+    group = ThreadGroup(2, lm_head(weights, arch).shape[0])
     shards = [LlamaModel(rank_arch(arch, 2), shard_weights(weights, arch, r, 2), BS, quantization=quantization,
                          tp=group.rank(r)) for r in range(2)]
     assert shards[0].cfg.num_heads == 2 and shards[0].cfg.num_kv_heads == 1 and shards[0].cfg.intermediate_size == 64
@@ -90,6 +91,28 @@ def test_two_shards_give_the_whole_models_logits(tmp_path, bias, quantization):
     assert want.shape == got[0].shape == (40, 131)
     torch.testing.assert_close(got[0], got[1], atol=0, rtol=0)  # every rank samples from the same logits
     torch.testing.assert_close(got[0], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "olmo2"])
+def test_every_family_splits_in_two(tmp_path, family):
+    """Sandwich norms, soft-capping, sliding windows, q/k norms per head, multipliers folded into the
+    weights, routed experts (each split like a dense MLP, the router whole): all on the reduced sums."""
+    build_checkpoint(tmp_path, family)
+    arch = load_model_arch(str(tmp_path))
+    weights = load_weights(str(tmp_path), arch)
+    group = ThreadGroup(2, lm_head(weights, arch).shape[0])
+    shards = [LlamaModel(rank_arch(arch, 2), shard_weights(weights, arch, r, 2), BS, tp=group.rank(r))
+              for r in range(2)]
+    ids = torch.randint(0, arch.vocab_size, (40,))
+    want, = forward_all([LlamaModel(arch, weights, BS)], ids)
+    got = forward_all(shards, ids)
+    torch.testing.assert_close(got[0], want, atol=1e-4, rtol=1e-4)
+
+
+def test_olmo2s_whole_qk_norm_is_refused(tmp_path):
+    build_checkpoint(tmp_path, "olmo2")
+    with pytest.raises(ValueError, match="cannot split olmo2's q/k norm"):
+        check_tp_size(load_model_arch(str(tmp_path)), 2)
 
 
 def test_sizes_that_do_not_divide_are_refused_by_name(tmp_path):
