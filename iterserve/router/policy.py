@@ -88,7 +88,8 @@ def _check_live(loads: Mapping[str, ReplicaLoad]) -> None:
 
 
 class RoundRobinRouter(_Counting):
-    """The live replicas in turn (by id order), whatever their load: the baseline."""
+    """The live replicas in turn (by id order), whatever their load: the baseline. The turn moves on
+    when a request is routed, not when asked: Ray may ask again for a request it could not send."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,9 +98,11 @@ class RoundRobinRouter(_Counting):
     def choose(self, block_hashes: Sequence[bytes], loads: Mapping[str, ReplicaLoad]) -> str:
         _check_live(loads)
         ids = sorted(loads)
-        choice = ids[self.next % len(ids)]
+        return ids[self.next % len(ids)]
+
+    def on_routed(self, replica_id: str, block_hashes: Sequence[bytes]) -> None:
+        super().on_routed(replica_id, block_hashes)
         self.next += 1
-        return choice
 
 
 class PowerOfTwoRouter(_Counting):
@@ -132,7 +135,6 @@ class PrefixAffinityRouter(_Counting):
         self.max_kv_usage = max_kv_usage
         self.capacity = capacity  # block hashes remembered (least recently routed dropped first)
         self.owner: OrderedDict[bytes, str] = OrderedDict()
-        self.num_affinity_routed = 0  # requests sent to their prefix's replica (for reports)
 
     def affinity(self, block_hashes: Sequence[bytes], loads: Mapping[str, ReplicaLoad]) -> tuple[str | None, int]:
         """(the live replica holding the longest prefix, how many blocks of it), or (None, 0).
@@ -154,7 +156,6 @@ class PrefixAffinityRouter(_Counting):
         report = loads[target]
         if self.load(target, report) - self.load(best, loads[best]) <= self.max_imbalance \
                 and report.kv_usage <= self.max_kv_usage:
-            self.num_affinity_routed += 1
             return target
         return best
 
