@@ -141,6 +141,18 @@ def test_tp2_int8(tiny_model, float_pair, prompts):
         tp2.shutdown()
 
 
+def test_tp2_bfloat16(tiny_model, prompts):
+    """gloo sums bf16 partials (rounded once more than TP=1's single accumulation): close, not equal."""
+    tp1 = ModelRunner(EngineConfig(model=tiny_model, **{**CACHE, "dtype": "bfloat16"}))
+    tp2 = TPExecutor(EngineConfig(model=tiny_model, tensor_parallel_size=2, **{**CACHE, "dtype": "bfloat16"}))
+    try:
+        want, _ = generate(tp1, prompts[:4], num_tokens=16)
+        got, _ = generate(tp2, prompts[:4], num_tokens=16)
+        assert_close_all(got, want, n=16, max_diverged=4)
+    finally:
+        tp2.shutdown()
+
+
 def test_llm_and_server_tp2_match_tp1(tiny_model):
     """One TP=2 engine, first through LLM.generate, then behind the HTTP server, until a rank is
     killed: the next request fails naming it, /health says the engine is dead, no rank is left."""
