@@ -113,6 +113,8 @@ def test_two_replicas_serve_the_openai_client_then_survive_a_killed_one(cluster)
         assert out.usage.completion_tokens == 3
     wait_for(lambda: all(s["num_requests"] >= 1 for s in health(url).values()), 30,
              "the restarted replica took no request")
+    # every request has ended, so the router counts none in flight (no leak through the kill and retries)
+    assert all(s["routed_in_flight"] == 0 for s in health(url).values()), health(url)
 
 
 def test_bad_input_is_a_400_from_the_replica(cluster):
