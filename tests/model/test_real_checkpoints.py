@@ -20,6 +20,7 @@ def gemma3_270m() -> str:
     return str(pkg.assemble())  # the four chunks joined once into ~/.cache, checked against its sha256
 
 
+@pytest.mark.timeout(1800)  # two 270M models with a 262k vocabulary, on a shared CPU
 def test_gemma3_270m_gguf_matches_transformers(gemma3_270m):
     from iterserve import LLM
     from iterserve.model.loader import load_transformers_model
