@@ -158,8 +158,8 @@ def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, sca
             softcap: float = 0.0) -> torch.Tensor:
     """One query per sequence: q [B, H, D] against the gathered, head-major context [2, B, Hkv, L, D]."""
     if plan.decode_tables is not None:
-        return cpu_kernels.decode_attention(q, layer_cache[0], layer_cache[1], plan.decode_tables,
-                                            plan.decode_seq_lens, scale, plan.num_threads, window=window, softcap=softcap)
+        return cpu_kernels.decode_attention(q, layer_cache[0], layer_cache[1], plan.decode_tables, plan.decode_seq_lens,
+                                            scale, plan.num_threads, window=window, softcap=softcap)
     b, h, d = q.shape
     hkv = layer_cache.shape[3]
     g = h // hkv

@@ -168,7 +168,9 @@ class LlamaModel:
     def _mlp_weights(self, w: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up = torch.cat([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]]).contiguous()
         down = w[prefix + "down_proj.weight"]
-        return gate_up, (down * self.cfg.residual_multiplier if self.cfg.residual_multiplier != 1.0 else down).contiguous()
+        if self.cfg.residual_multiplier != 1.0:  # as o above
+            down = down * self.cfg.residual_multiplier
+        return gate_up, down.contiguous()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
@@ -262,7 +264,8 @@ class LlamaModel:
             part = qkv[:, lo:hi].reshape(-1, width or hi - lo).contiguous()  # a copy: rows of qkv are wider
             qkv[:, lo:hi] = self._rms_norm(part, weight).view(t, hi - lo)
 
-    def _rotate(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotate(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin,
+                table: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotary embedding on the q and k heads of qkv [T, (H + 2 Hkv) * D] -> q [T, H, D], k [T, Hkv, D]."""
         t, cfg = qkv.shape[0], self.cfg
         if self.cpu_ops:  # in place, cos/sin looked up per row inside

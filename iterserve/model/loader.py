@@ -296,7 +296,8 @@ def _hf_rope(c: dict) -> tuple[float, dict | None, float | None]:
             or c["max_position_embeddings"]
         factor = rope.get("factor") or c["max_position_embeddings"] / orig
         default_mscale = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
-        scaling.update(original_max_position_embeddings=orig, attention_factor=rope.get("attention_factor") or default_mscale)
+        scaling.update(original_max_position_embeddings=orig,
+                       attention_factor=rope.get("attention_factor") or default_mscale)
     local_theta = c.get("rope_local_base_freq")
     if local is not None:
         if local.get("rope_type", "default") != "default":
@@ -339,7 +340,7 @@ _GGUF_FAMILY_NAMES = {"gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
 _GGUF_CONFIG_TENSORS = {"rope_factors_long.weight", "rope_factors_short.weight"}  # read by _gguf_config
-_GGUF_PERMUTED = ("llama", "granite", "mixtral")  # convert_hf_to_gguf permutes Q/K rows for LlamaModel and its subclasses
+_GGUF_PERMUTED = ("llama", "granite", "mixtral")  # convert_hf_to_gguf permutes Q/K rows for these (LlamaModel's)
 
 
 def gguf_to_hf_name(name: str, family: str = "llama") -> str | None:

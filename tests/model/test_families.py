@@ -122,7 +122,8 @@ def write_gguf(path, hf, hf_dir) -> None:
     for key, val in [("block_count", n), ("context_length", c.max_position_embeddings),
                      ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
                      ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv", c.num_key_value_heads),
-                     ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim), ("vocab_size", c.vocab_size)]:
+                     ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim),
+                     ("vocab_size", c.vocab_size)]:
         w.add_uint32(f"{arch}.{key}", val)
     rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     w.add_float32(f"{arch}.rope.freq_base", rope["rope_theta"])
