@@ -17,6 +17,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine.detokenizer import Detokenizer
 from iterserve.engine.stats import EngineStats
 from iterserve.executor.base import Executor, ExecutorDeadError, check_executor
+from iterserve.kv_transfer.connector import KVTransfer
 from iterserve.outputs import RequestOutput, StepRecord
 from iterserve.request import Request, RequestStatus, RequestTimes
 from iterserve.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class Engine:
         self.parents: dict[str, list[str]] = {}  # n > 1: parent id -> its unfinished children's ids
         self.step_records: deque[StepRecord] = deque(maxlen=200_000)
         self.num_steps = 0
+        self.num_kv_transfers_recomputed = 0  # P/D decode side: prompts recomputed after a failed transfer
 
     @property
     def max_model_len(self) -> int:
@@ -81,7 +83,8 @@ class Engine:
         s, kv = self.scheduler, self.scheduler.kv
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped), kv.usage, kv.num_blocks,
                            kv.pool.num_free_blocks, s.num_preemptions, kv.num_prefix_queries, kv.num_prefix_hits,
-                           self.num_steps, s.max_model_len, self.step_records[-1] if self.step_records else None)
+                           self.num_steps, s.max_model_len, self.step_records[-1] if self.step_records else None,
+                           self.num_kv_transfers_recomputed)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -117,11 +120,65 @@ class Engine:
 
     def _add(self, request: Request, params: SamplingParams, index: int, parent_id: str | None) -> None:
         self.scheduler.add_request(request)  # raises ValueError before touching any state
+        self._add_state(request, params, index, parent_id)
+
+    def _add_state(self, request: Request, params: SamplingParams, index: int, parent_id: str | None) -> None:
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = Detokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
                                       params.skip_special_tokens, params.include_stop_str_in_output)
         self.states[request.request_id] = _TextState(detokenizer, index, parent_id, params.n)
+
+    # ---- disaggregated prefill (docs/disaggregation.md) ------------------------------------
+    def add_computed_request(self, transfer: KVTransfer) -> bool:
+        """Decode side: carry on a request whose prompt and first token a prefill engine computed, its
+        KV blocks written into this pool. Blocks that did not arrive or do not fit are recomputed here
+        (counted in stats.num_kv_transfers_recomputed). False: no room or seat yet; ask again later."""
+        m, rid = transfer.meta, transfer.request_id
+        if rid in self.states:
+            raise ValueError(f"request id {rid!r} is already in use")
+        request = Request(rid, list(m.prompt_token_ids), m.sampling_params, RequestTimes(m.arrival_time),
+                          self.eos_token_ids, m.priority, m.cache_salt)
+        request.append_token(m.first_token)
+        request.times.first_token = m.first_token_time
+        request.times.token_times.append(m.first_token_time)
+        unfit = self._unfit(transfer)
+        if unfit:
+            self._recompute(request, unfit)
+        else:
+            placed = self.scheduler.add_computed_request(request, transfer.hashes)
+            if placed is None:
+                return False
+            first, block_ids = placed
+            self.executor.write_blocks(block_ids, transfer.blocks[:, :, first:])
+        self._add_state(request, m.sampling_params, 0, None)
+        state = self.states[rid]
+        state.num_tokens_sent = 1  # the prefill engine streamed the first token
+        if state.detokenizer is not None:
+            state.detokenizer.add(m.first_token)
+            state.detokenizer.take_new_text(False)
+        return True
+
+    def _unfit(self, transfer: KVTransfer) -> str | None:
+        """Why the transferred blocks cannot be used here (None: they can)."""
+        if transfer.blocks is None:
+            return transfer.error or "no blocks arrived"
+        spec, n = self.executor.kv_cache_spec, len(transfer.meta.prompt_token_ids)
+        expected = (spec.num_layers, 2, -(-n // spec.block_size), spec.block_size, spec.num_kv_heads, spec.head_dim)
+        got = tuple(transfer.blocks.shape)
+        return None if got == expected else f"blocks of shape {got}, this pool's layout is {expected}"
+
+    def _recompute(self, request: Request, why: str) -> None:
+        logger.warning("request %s: KV transfer failed (%s); recomputing its prompt", request.request_id, why)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.scheduler.add_request(request)
+        self.num_kv_transfers_recomputed += 1
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: drop a request, with no output, whose blocks were handed to a decode engine."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        self.states.pop(request_id, None)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

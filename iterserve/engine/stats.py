@@ -21,6 +21,7 @@ class EngineStats:
     num_steps: int
     max_model_len: int
     last_step: StepRecord | None  # the latest step's record (batch, tokens, timing)
+    num_kv_transfers_recomputed: int = 0  # P/D decode side: handed-off prompts recomputed (transfer failed)
 
     @property
     def num_queued(self) -> int:

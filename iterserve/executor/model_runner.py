@@ -244,6 +244,19 @@ class ModelRunner:
             src, dst = zip(*plan.swap_in)
             self.kv_cache[:, :, list(dst)] = self.host_kv_cache[:, :, list(src)].to(self.device)
 
+    # ------------------------------------------------------------ KV hand-off (disaggregated prefill)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of these blocks on the CPU, in the pool's layout [layers, 2, n, block_size, kv_heads, head_dim]."""
+        return self.kv_cache[:, :, block_ids].to("cpu")
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Fill these blocks from read_blocks' layout (another engine's, of the same model and block size)."""
+        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        if tuple(blocks.shape) != expected:
+            raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} do not fit this pool's {expected}")
+        self.kv_cache[:, :, block_ids] = blocks.to(self.device, self.dtype)
+
     def _prepare(self, plan: SchedulerOutput):
         reqs, bs = plan.scheduled, plan.block_size
         assert bs == self.block_size, f"plan block_size {bs} != cache block_size {self.block_size}"

@@ -169,6 +169,18 @@ class KVCacheManager:
             self.pool.register(blocks[i], hashes[-1])
             self.computing.pop(hashes[-1], None)
 
+    def register_hashes(self, request: Request, hashes: list[bytes]) -> None:
+        """Blocks filled from outside (disaggregated prefill): adopt the sender's hashes of the full
+        blocks, so later requests hit them and cache_full_blocks carries on after them."""
+        if not self.pool.enable_caching:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks[rid]
+        assert len(hashes) <= min(len(blocks), request.num_computed_tokens // self.block_size), (rid, len(hashes))
+        self.req_hashes[rid] = list(hashes)
+        for block, h in zip(blocks, hashes):
+            self.pool.register(block, h)
+
     def can_swap_out(self, request: Request) -> bool:
         return len(self.blocks_of(request.request_id)) <= min(self.host_pool.num_free_blocks, self.num_host_blocks)
 

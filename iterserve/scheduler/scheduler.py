@@ -41,6 +41,35 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self._check_new(request)
+        request.arrival_seq = self._arrivals
+        self._arrivals += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def add_computed_request(self, request: Request, hashes: list[bytes]) -> tuple[int, list[int]] | None:
+        """Admit a request whose prompt was computed elsewhere (a prefill engine) and whose first token is
+        already appended: a prefix-cache hit whose blocks come from outside. Local cache hits are reused;
+        new blocks are allocated for the rest and `hashes` (the sender's, one per full prompt block)
+        registered on them. Returns (index of the first block to fill, the block ids to fill with the
+        transferred KV), or None when there is no room or seat now (ask again after a step)."""
+        self._check_new(request)
+        computed, num_cached = self.kv.get_computed_blocks(request)
+        n = request.num_prompt_tokens
+        if len(self.running) >= self.config.max_num_seqs or not self.kv.can_admit(request, n + 1, computed):
+            return None
+        new = self.kv.allocate_slots(request, n - num_cached, computed)
+        assert new is not None
+        request.num_computed_tokens = n
+        self.kv.register_hashes(request, hashes)
+        request.arrival_seq = self._arrivals
+        self._arrivals += 1
+        self.requests[request.request_id] = request
+        self._start_running(request)
+        return len(computed), [b.block_id for b in new]
+
+    def _check_new(self, request: Request) -> None:
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -49,11 +78,6 @@ class Scheduler:
                              f"{self.max_model_len} (prompt plus at least one generated token)")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        request.arrival_seq = self._arrivals
-        self._arrivals += 1
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Stop a request (aborted, stopped by a stop string, failed) and free what it holds."""

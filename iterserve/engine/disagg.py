@@ -1,0 +1,107 @@
+"""Prefill/decode disaggregation at the engine level (docs/disaggregation.md).
+
+A PrefillEngine computes each prompt and its first token, then hands the request's KV blocks and
+prefix hashes to a decode engine through a KV connector and frees them: it never holds a decode.
+A DecodeEngine admits what arrives as already computed up to the prompt (Engine.add_computed_request,
+a prefix-cache hit whose blocks come from outside) and decodes the rest: it never runs a prompt
+chunk, except to recompute a request whose blocks did not arrive. Both wrap a plain Engine; the
+scheduler sees one extra entry point and nothing else.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from iterserve.engine.engine import Engine
+from iterserve.kv_transfer.connector import HandoffMeta, KVConnector
+from iterserve.outputs import RequestOutput
+from iterserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("iterserve.disagg")
+
+
+def _require(engine: Engine, method: str, role: str) -> None:
+    if not callable(getattr(engine.executor, method, None)):
+        raise TypeError(f"a {role} engine needs an executor with {method}(); "
+                        f"{type(engine.executor).__name__} has none (tensor parallel does not move KV blocks yet)")
+
+
+def check_pd_params(params: SamplingParams) -> None:
+    """What a disaggregated request cannot do, refused by name instead of done wrong."""
+    if params.n != 1:
+        raise ValueError("n > 1 is not supported with prefill/decode disaggregation")
+    if params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
+
+
+class PrefillEngine:
+    def __init__(self, engine: Engine, connector: KVConnector) -> None:
+        _require(engine, "read_blocks", "prefill")
+        self.engine, self.connector = engine, connector
+        self.num_sent = 0
+        self.num_send_failures = 0
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    **kwargs) -> str:
+        params = params or SamplingParams()
+        check_pd_params(params)
+        return self.engine.add_request(prompt, params, request_id, **kwargs)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; each request that just got its first token (and goes on) is handed off.
+        Its output is the first token, unfinished; `error` is set when the hand-off failed."""
+        outputs = self.engine.step()
+        for i, out in enumerate(outputs):
+            if not out.finished:
+                error = self._hand_off(out.request_id)
+                if error:
+                    outputs[i] = self.engine.abort_request(out.request_id)[0]
+                    outputs[i].error = error
+                    outputs[i].finish_reason = "error"
+        return outputs
+
+    def _hand_off(self, request_id: str) -> str | None:
+        """Send the request's prompt blocks; free them whatever happened. Returns an error, or None."""
+        engine = self.engine
+        request = engine.scheduler.requests[request_id]
+        kv, bs, n = engine.scheduler.kv, engine.scheduler.block_size, request.num_prompt_tokens
+        blocks = engine.executor.read_blocks(kv.block_table(request_id)[:-(-n // bs)])
+        hashes = kv.req_hashes.get(request_id, [])[:n // bs]
+        meta = HandoffMeta(request.prompt_token_ids, request.output_token_ids[0], request.sampling_params,
+                           request.times.arrival, request.times.first_token, request.priority, request.cache_salt)
+        try:
+            self.connector.send(request_id, blocks, hashes, meta)
+        except Exception as exc:  # the decode side is gone or the link broke: this request fails, we go on
+            logger.warning("request %s: sending its KV blocks failed: %s", request_id, exc)
+            self.num_send_failures += 1
+            return f"handing the request to the decode engine failed: {exc}"
+        engine.release(request_id)
+        self.num_sent += 1
+        return None
+
+
+class DecodeEngine:
+    def __init__(self, engine: Engine, connector: KVConnector) -> None:
+        _require(engine, "write_blocks", "decode")
+        self.engine, self.connector = engine, connector
+        self.pending: deque = deque()  # arrived, waiting for room in the pool or a seat
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending) or self.engine.has_unfinished()
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Take in what has arrived (waiting up to `timeout` for the first); returns how many."""
+        n = 0
+        while (transfer := self.connector.receive(timeout if n == 0 else 0.0)) is not None:
+            self.pending.append(transfer)
+            n += 1
+        while self.pending and self.engine.add_computed_request(self.pending[0]):
+            self.pending.popleft()
+        return n
+
+    def step(self) -> list[RequestOutput]:
+        self.poll()
+        return self.engine.step()
