@@ -69,11 +69,15 @@ class LLM:
 
 def apply_chat_template(tokenizer, messages: list[Message]) -> list[int]:
     """Render with the model's own template (sandboxed Jinja inside transformers), then tokenize."""
+    check_messages(messages)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def check_messages(messages: list[Message]) -> None:
     if not messages:
         raise ValueError("messages must be a non-empty list")
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") \
                 or not isinstance(m.get("content"), str):
             raise ValueError(f"each message needs a role (system, user, assistant, tool) and string content; got {m!r}")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -8,6 +8,25 @@ from dataclasses import dataclass, field
 MAX_N = 64  # most parallel sequences one request may ask for
 
 
+@dataclass(slots=True, frozen=True)
+class StructuredOutputs:
+    """One constraint on the output, compiled by xgrammar (executor/structured_output.py).
+    Frozen and hashable: it is the key of the compiled-grammar cache."""
+    json: str | None = None  # a JSON schema, serialized
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # exactly one of these strings
+    grammar: str | None = None  # EBNF (GBNF-style), as xgrammar reads it
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if sum(given) != 1:
+            raise ValueError("structured output: give exactly one of json, json_object, regex, choice, grammar")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured output: choice must be a non-empty list of non-empty strings")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -31,6 +50,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS, stop token ids and stop strings are ignored until this many tokens
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # None: off; N: each prompt token's logprob plus the top N
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

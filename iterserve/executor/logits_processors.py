@@ -1,6 +1,7 @@
-"""What changes a step's logits before sampling: min_tokens, logit_bias and the three penalties.
+"""What changes a step's logits before sampling: a grammar's bitmask, min_tokens, logit_bias, penalties.
 
-vLLM's semantics and order: min_tokens bans the stop tokens, logit_bias adds, then repetition
+vLLM's semantics and order: the structured-output bitmask (executor/structured_output.py) allows
+only the tokens the grammar can take, min_tokens bans the stop tokens, logit_bias adds, then repetition
 (divide a positive logit, multiply a negative one, for tokens in the prompt or the output),
 frequency (minus penalty x times generated) and presence (minus penalty if generated at all).
 Built only from the rows that ask for one: a batch where nobody does builds nothing.
@@ -26,13 +27,14 @@ class Penalties:
 
 @dataclass(slots=True)
 class LogitsAdjust:
+    allowed: tuple[torch.Tensor, list[int]] | None  # (xgrammar token bitmask, its rows)
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, bias) added
     penalties: Penalties | None
 
 
 def make_adjust(reqs: list[ScheduledRequest], eos_token_ids: set[int], vocab_size: int,
-                device: torch.device) -> LogitsAdjust | None:
+                device: torch.device, allowed: tuple[torch.Tensor, list[int]] | None = None) -> LogitsAdjust | None:
     """reqs: the sampling rows, in batch order. None when no row needs any of these."""
     banned_r, banned_t, bias_r, bias_t, bias_v, pen = [], [], [], [], [], []
     for i, r in enumerate(reqs):
@@ -47,10 +49,11 @@ def make_adjust(reqs: list[ScheduledRequest], eos_token_ids: set[int], vocab_siz
             bias_v += p.logit_bias.values()
         if p.has_penalties:
             pen.append(i)
-    if not (banned_r or bias_r or pen):
+    if not (banned_r or bias_r or pen or allowed):
         return None
     ints = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     return LogitsAdjust(
+        allowed=allowed,
         banned=(ints(banned_r), ints(banned_t)) if banned_r else None,
         bias=(ints(bias_r), ints(bias_t), torch.tensor(bias_v, dtype=torch.float32, device=device)) if bias_r else None,
         penalties=_penalties([reqs[i] for i in pen], ints(pen), vocab_size, device) if pen else None)
@@ -79,6 +82,9 @@ def _flat(lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def apply(logits: torch.Tensor, adjust: LogitsAdjust) -> torch.Tensor:
     """logits [S, vocab] float32, changed in place (the caller passes its own copy)."""
+    if adjust.allowed is not None:
+        from iterserve.executor.structured_output import apply_bitmask  # xgrammar loads only when used
+        apply_bitmask(logits, *adjust.allowed)
     if adjust.banned is not None:
         logits[adjust.banned] = float("-inf")
     if adjust.bias is not None:

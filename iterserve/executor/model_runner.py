@@ -218,6 +218,8 @@ class ModelRunner:
         self._move_blocks(plan)
         for rid in plan.finished_ids:
             self._generators.pop(rid, None)
+            if self._matchers is not None:
+                self._matchers.drop(rid)
         if not plan.scheduled:
             return StepResult(sampled=[], logprobs=None, step_time=time.perf_counter() - t0)
         with torch.inference_mode():
@@ -302,16 +304,30 @@ class ModelRunner:
         reqs = [plan.scheduled[i] for i in rows]
         gens = [self._generator(r) for r in reqs]
         vocab = logits.shape[-1]
+        allowed = self._structured(reqs)
         batch = make_batch([r.sampling_params for r in reqs], gens, vocab, logits.device,
-                           make_adjust(reqs, self.eos_token_ids, vocab, logits.device))
+                           make_adjust(reqs, self.eos_token_ids, vocab, logits.device, allowed))
         sel = logits if len(rows) == len(plan.scheduled) else logits[torch.tensor(rows, device=logits.device)]
         tokens, lps = sample(sel, batch)
+        if allowed is not None:
+            self._matchers.accept(reqs, tokens, allowed[1])
         logprobs = [None] * len(plan.scheduled) if lps is not None else None
         for j, i in enumerate(rows):
             sampled[i] = tokens[j]
             if lps is not None:
                 logprobs[i] = lps[j]
         return sampled, logprobs, prompt_lps
+
+    _matchers = None  # structured output: made on first use (xgrammar loads only then)
+
+    def _structured(self, reqs: list[ScheduledRequest]):
+        """The grammar bitmask of the constrained rows, or None (free rows never pay for it)."""
+        if all(r.sampling_params.structured_outputs is None for r in reqs):
+            return None
+        if self._matchers is None:
+            from iterserve.executor.structured_output import Matchers, grammar_cache
+            self._matchers = Matchers(grammar_cache(self.tokenizer, self.vocab_size, self.eos_token_ids))
+        return self._matchers.bitmask(reqs)
 
     def _generator(self, r) -> torch.Generator | None:
         """Reseeded from (seed, output_len) every step: the same draw after a preemption or any batch mix."""

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -34,8 +35,11 @@ from iterserve.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
     ChatLogprobs, ChatTokenLogprob, CompletionChoice, CompletionLogprobs, CompletionRequest,
     CompletionResponse, DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard,
-    ModelList, PromptLogprob, ResponseMessage, TokenizeRequest, TokenizeResponse, TopLogprob, Usage,
+    ModelList, PromptLogprob, ResponseMessage, TokenizeRequest, TokenizeResponse, ToolCall, ToolCallDelta,
+    TopLogprob, Usage,
 )
+from iterserve.sampling_params import StructuredOutputs
+from iterserve.server import tools
 from iterserve.server.token_text import TokenText
 
 logger = logging.getLogger("iterserve.server")
@@ -155,9 +159,13 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
                            "not_found_error", "model")
 
-    def chat_prompt(messages) -> list[int]:
-        from iterserve.llm import apply_chat_template
-        return apply_chat_template(tokenizer, [m.as_template_message() for m in messages])
+    def chat_prompt(messages, tool_list: list[dict] | None = None) -> list[int]:
+        from iterserve.llm import apply_chat_template, check_messages
+        msgs = [m.as_template_message() for m in messages]
+        if tool_list or any(m.get("tool_calls") for m in msgs):
+            check_messages(msgs)
+            return tools.render_prompt(tokenizer, msgs, tool_list)
+        return apply_chat_template(tokenizer, msgs)
 
     def check_context(prompt: list[int], params) -> None:
         """A max_tokens the context cannot hold is refused, as OpenAI and vLLM do, not cut short."""
@@ -165,7 +173,21 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
             raise ApiError(400, f"max_tokens is {params.max_tokens} and the prompt has {len(prompt)} tokens, "
                                 f"but this model's context holds {max_model_len} tokens", param="max_tokens")
 
+    async def compile_grammar(spec) -> None:
+        """In a worker thread, before the request reaches the engine: the step loop then finds the
+        grammar compiled in the cache, and a schema xgrammar refuses is a 400 here."""
+        if tokenizer is None:
+            raise ApiError(400, "structured output needs the model's tokenizer")
+        from iterserve.executor.structured_output import grammar_cache
+        cache = grammar_cache(tokenizer, engine.vocab_size, engine.eos_token_ids)
+        try:
+            await asyncio.to_thread(cache.compile, spec)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+
     async def start(prompt: str | list[int], body, params) -> RequestStream:
+        if params.structured_outputs is not None:
+            await compile_grammar(params.structured_outputs)
         try:
             return await async_engine.add_request(prompt, params, request_id=_new_id(),
                                                   priority=body.priority, cache_salt=body.cache_salt)
@@ -212,25 +234,31 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template")
         try:
-            prompt = chat_prompt(body.messages)
+            tool_list, choice = body.tool_mode()
+            prompt = chat_prompt(body.messages, tool_list)
             # Chat's default: generate until the context is full (max(1): the engine reports the
             # prompt as too long, rather than max_tokens as invalid).
             params = body.sampling_params(max(1, max_model_len - len(prompt)), body.num_logprobs())
+            if tool_list and (forced := tools.forced_schema(tool_list, choice, body.parallel_tool_calls)) is not None:
+                params = replace(params, structured_outputs=StructuredOutputs(json=json.dumps(forced)))
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         check_context(prompt, params)
         stream = await start(prompt, body, params)
         created, model = int(time.time()), served_model_name
+        reply = (lambda out: _tool_reply(out, tool_list, choice, body.parallel_tool_calls)) if tool_list else None
         if body.stream:
             return _SSEResponse([stream], _chat_chunks(stream, created, model, body.include_usage, token_text,
-                                                       params.n))
+                                                       params.n, reply))
         outs = (await _collect([stream], request))[0]
-        return ChatCompletionResponse(
-            id=stream.request_id, created=created, model=model, usage=_usage(outs),
-            choices=[ChatChoice(index=out.index, message=ResponseMessage(content=out.text),
-                                finish_reason=out.finish_reason,
-                                logprobs=_chat_logprobs(out.logprobs, out.token_ids, token_text)
-                                if params.logprobs is not None else None) for out in outs])
+        choices = []
+        for out in outs:
+            message, finish = reply(out) if reply else (ResponseMessage(content=out.text), out.finish_reason)
+            choices.append(ChatChoice(index=out.index, message=message, finish_reason=finish,
+                                      logprobs=_chat_logprobs(out.logprobs, out.token_ids, token_text)
+                                      if params.logprobs is not None else None))
+        return ChatCompletionResponse(id=stream.request_id, created=created, model=model, usage=_usage(outs),
+                                      choices=choices)
 
     if isinstance(async_engine, AsyncEngine):  # a local engine; the Ray ingress (server/ray_app.py) has none
         mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics
@@ -450,8 +478,18 @@ def _completion_choice(index: int, out: RequestOutput, body: CompletionRequest, 
                             finish_reason="length" if body.echo_only else out.finish_reason, prompt_logprobs=plp)
 
 
+def _tool_reply(out: RequestOutput, tool_list: list[dict], choice, parallel: bool) -> tuple[ResponseMessage, str | None]:
+    """The reply as content and parsed tool calls; finish_reason tool_calls when there are calls."""
+    content, calls = tools.parse_reply(out.text, tool_list, choice, parallel)
+    if not calls:
+        return ResponseMessage(content=content), out.finish_reason
+    return ResponseMessage(content=content, tool_calls=[ToolCall(**c) for c in calls]), "tool_calls"
+
+
 def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
-                 token_text: TokenText, n: int) -> AsyncIterator[str]:
+                 token_text: TokenText, n: int, reply=None) -> AsyncIterator[str]:
+    """With tools (reply given), a choice's text is held until it ends, then sent as its content
+    or as one tool_calls delta per call: a call is only known to be one once its tag closes."""
     def response(choices, usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=choices, usage=usage)
 
@@ -469,6 +507,13 @@ def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage:
             _check_error(out)
             final[out.index] = out
             lp = _new_logprobs(out, out.index, sent_lp, _chat_logprobs, token_text)
+            if reply is not None:
+                if out.finished:
+                    message, finish = reply(out)
+                    calls = [ToolCallDelta(index=j, **c.model_dump()) for j, c in enumerate(message.tool_calls or [])]
+                    yield chunk(out.index, DeltaMessage(content=message.content, tool_calls=calls or None))
+                    yield chunk(out.index, DeltaMessage(), finish)
+                continue
             if out.new_text and lp is None:
                 yield frames[out.index](out.new_text)
             elif out.new_text or lp:

@@ -5,13 +5,14 @@ place, and its ValueError becomes a 400 in app.py.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, StructuredOutputs
 
 
 # A field this server does not implement is refused with a 400 naming it, never silently ignored
@@ -22,6 +23,34 @@ _STRICT = ConfigDict(extra="forbid")
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced (additional properties refused)
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_spec: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    return json.dumps(schema if isinstance(schema, dict) else json.loads(schema))  # property order kept: it steers generation
 
 
 class _SamplingRequest(BaseModel):
@@ -51,6 +80,39 @@ class _SamplingRequest(BaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     user: str | None = None  # an end-user id for abuse tracking: nothing to do with generation
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        """The one output constraint asked for, if any (ValueError if several, or a bad schema)."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(StructuredOutputs(json_object=True))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise ValueError("response_format: json_schema needs its json_schema.schema")
+            found.append(StructuredOutputs(json=_schema_text(rf.json_schema.json_schema)))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(StructuredOutputs(
+                json=None if so.json_spec is None else _schema_text(so.json_spec), json_object=bool(so.json_object),
+                regex=so.regex, choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar))
+        if self.guided_json is not None:
+            found.append(StructuredOutputs(json=_schema_text(self.guided_json)))
+        if self.guided_regex is not None:
+            found.append(StructuredOutputs(regex=self.guided_regex))
+        if self.guided_choice is not None:
+            found.append(StructuredOutputs(choice=tuple(self.guided_choice)))
+        if self.guided_grammar is not None:
+            found.append(StructuredOutputs(grammar=self.guided_grammar))
+        if len(found) > 1:
+            raise ValueError("ask for one output constraint: response_format, structured_outputs or one guided_* field")
+        return found[0] if found else None
 
     def sampling_params(self, default_max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -62,7 +124,8 @@ class _SamplingRequest(BaseModel):
             logprobs=num_logprobs, n=self.n, skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=_token_keys(self.logit_bias),
-            min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+            min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured())
 
     @property
     def include_usage(self) -> bool:
@@ -121,23 +184,87 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
-    def as_template_message(self) -> dict[str, str]:
+    def as_template_message(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         # OpenAI's newer name for the system role; chat templates know only "system"
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        m: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:
+            m["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # required / named calls always follow the schema
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # False: at most one call per reply
+
+    def tool_mode(self) -> tuple[list[dict] | None, str | dict]:
+        """(tools as dicts, or None when they are off; the choice: auto, required or a named function)."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if choice == "none":
+            return None, "none"
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.model_dump()
+            if choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+                raise ValueError(f"tool_choice names {choice['function']['name']!r}, which is not one of the tools")
+        if choice != "auto" and self.structured() is not None:
+            raise ValueError("tool_choice required or named already constrains the reply: drop response_format")
+        return tools, choice
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -204,7 +331,8 @@ class ChatLogprobs(BaseModel):
 
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -223,9 +351,14 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -10,9 +10,9 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("route,body,field", [
-    ("completions", {"prompt": "hi", "response_format": {"type": "nonsense"}}, "response_format"),
+    ("completions", {"prompt": "hi", "modalities": ["text"]}, "modalities"),
     ("completions", {"prompt": "hi", "no_such_field": 1}, "no_such_field"),
-    ("chat/completions", {"messages": CHAT, "parallel_tool_calls": True}, "parallel_tool_calls"),
+    ("chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("chat/completions", {"messages": CHAT, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x", "refusal": "y"}]}, "messages.0.refusal"),
