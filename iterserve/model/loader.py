@@ -82,6 +82,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # Gemma's alternation when a config or GGUF does not list its windowed layers: every Nth layer is global
 _DEFAULT_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+_GEMMA = ("gemma2", "gemma3_text")  # embeddings scaled by sqrt(hidden), GeGLU
 
 
 def _refuse(what: str, name, supported) -> ValueError:
@@ -163,7 +164,7 @@ def _gguf_config(path: str) -> ModelArch:
     window = int(g("attention.sliding_window", 0) or 0)
     # the tensors say whether there are biases; llama.cpp stores Gemma's norms with the 1 added
     defaults = {k: v for k, v in FAMILIES[family].items() if k != "attention_bias"} | {"norm_weight_offset": 0.0}
-    gemma = family in _DEFAULT_WINDOW_PATTERN
+    gemma = family in _GEMMA
     eos = [int(f[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                "tokenizer.ggml.eom_token_id") if f.get(k) is not None]
     return ModelArch(
@@ -244,7 +245,7 @@ def _hf_config(path: str) -> ModelArch:
         max_position_embeddings=c.get("max_position_embeddings", 2048),
         tie_word_embeddings=c.get("tie_word_embeddings", False), bos_token_id=c.get("bos_token_id"),
         eos_token_ids=_hf_eos_ids(path, c), architecture=family, **FAMILIES[family], hidden_act=_ACTIVATIONS[act],
-        embedding_multiplier=hidden ** 0.5 if family in _DEFAULT_WINDOW_PATTERN else c.get("embedding_multiplier", 1.0),
+        embedding_multiplier=hidden ** 0.5 if family in _GEMMA else c.get("embedding_multiplier", 1.0),
         residual_multiplier=c.get("residual_multiplier", 1.0), attention_scale=scale,
         logits_multiplier=1.0 / c.get("logits_scaling", 1.0),
         attn_logit_softcap=c.get("attn_logit_softcapping") or 0.0,
