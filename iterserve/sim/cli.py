@@ -152,6 +152,18 @@ def run_simulation(args: argparse.Namespace) -> int:
     tp = args.tensor_parallel_size
 
     print(f"$ iterserve simulate {shlex.join(args.argv)}")
+    if args.pd:
+        from iterserve.bench.metrics import Slo
+        from iterserve.sim.disagg import run_pd
+        def trace_at(rate: float) -> Trace:
+            args.request_rate = rate
+            return bench_cli.trace_from_args(args)
+        rows = run_pd(args, lambda: make_engine(EngineConfig(**kw), model, hw), trace_at, hw.interconnect_bandwidth,
+                      Slo(args.slo_ttft, args.slo_tpot, args.slo_e2e))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"argv": args.argv, "model": model.name, "hardware": hw.to_json(), "rows": rows}, f, indent=2)
+        return 0
     replicas = args.data_parallel_size
     if replicas != 1 or args.router:
         from iterserve.sim.cluster import run_cluster_targets
@@ -204,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--router", choices=POLICIES, default=None, help="routing policy (default: prefix-affinity)")
     c.add_argument("--sim-workers", type=int, default=1,
                    help="processes the replicas are split over (the same figures, less wall time on many cores)")
+    d = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    d.add_argument("--pd", default=None, help="xPyD (e.g. 1P1D, 2P1D): x prefill and y decode engines against "
+                   "colocated x+y replicas; 'search': every split of --pd-devices")
+    d.add_argument("--pd-devices", type=int, default=4, help="with --pd search: devices to split")
+    d.add_argument("--pd-attainment", type=float, default=0.9,
+                   help="goodput is the highest rate per device at which this share meets both SLOs (DistServe: 0.9)")
     g = p.add_argument_group("step time")
     g.add_argument("--step-time", action="store_true", help="print the modelled decode step time per batch size")
     g.add_argument("--batch-sizes", default="1,8,32", help="with --step-time")

@@ -2,6 +2,9 @@
 virtual clock that jumps by each step's modelled time instead of waiting for it."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
+
 from iterserve.config import CPU_KV_CACHE_MEMORY
 from iterserve.executor.base import KVCacheSpec, bytes_per_block, num_blocks_for
 from iterserve.scheduler.output import SchedulerOutput, StepResult
@@ -84,6 +87,31 @@ class SimulatedExecutor:
 
     def shutdown(self) -> None:
         """No device state to release."""
+
+    # P/D hand-off (sim/disagg.py): only the blocks' shape, hence their bytes, is modelled
+    def read_blocks(self, block_ids: list[int]) -> "SimulatedBlocks":
+        s = self.kv_cache_spec
+        return SimulatedBlocks((s.num_layers, 2, len(block_ids), s.block_size, s.num_kv_heads, s.head_dim),
+                               s.bytes_per_block // (2 * s.num_layers * s.block_size * s.num_kv_heads * s.head_dim))
+
+    def write_blocks(self, block_ids: list[int], blocks: "SimulatedBlocks") -> None:
+        assert blocks.shape[2] == len(block_ids), (blocks.shape, len(block_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class SimulatedBlocks:
+    """Stands in for a request's KV blocks in [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+
+    shape: tuple[int, ...]
+    dtype_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype_bytes
+
+    def __getitem__(self, key: tuple) -> "SimulatedBlocks":
+        """Only the engine's blocks[:, :, first:] is used: a slice along the block axis."""
+        return replace(self, shape=(*self.shape[:2], len(range(self.shape[2])[key[2]]), *self.shape[3:]))
 
 
 _DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "int8"}
