@@ -1,6 +1,7 @@
 """`iterserve simulate`: the bench's workload and report, on a modelled GPU with a virtual clock.
 
     iterserve simulate --model llama-2-7b --hardware a100-80gb --num-requests 1000 --request-rate 8
+    iterserve simulate --pd search --pd-devices 4 --slo-ttft 0.2 --slo-tpot 0.1 --request-rate 8   # docs/disaggregation.md
     iterserve simulate --step-time --model llama-2-7b --hardware a100-80gb --batch-sizes 1,8,32 --context-len 256
 """
 from __future__ import annotations
