@@ -226,14 +226,17 @@ def test_serve_binds_loopback_by_default():
 
 
 def test_no_route_serves_files(fake_server):
-    """The whole surface: nothing takes a path or file name (no static directory, no model loading by URL;
-    the dashboard is two fixed files read from the package)."""
+    """The whole surface: nothing takes a file name (no static directory, no model loading by URL; the
+    dashboard is two fixed files read from the package; /v1/models/{id} takes a model name, which may
+    hold a slash as Hugging Face ids do, and only compares it with the served name)."""
     app = fake_server.uvicorn_server.config.app
     paths = {route.path for route in app.routes}
-    assert paths == {"/health", "/version", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions",
+    assert paths == {"/health", "/version", "/v1/models", "/v1/models/{model_id:path}", "/metrics",
+                     "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
                      "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
                      "/dashboard", "/dashboard.js", "/v1/dashboard", "/v1/diagnostics"}
     assert httpx.get(fake_server.url + "/../../etc/passwd").status_code == 404
+    assert httpx.get(fake_server.url + "/v1/models/../../etc/passwd").status_code == 404
 
 
 def test_an_engine_built_by_a_factory_is_built_and_stepped_on_the_engine_thread(tokenizer):
