@@ -13,6 +13,7 @@ import logging
 from collections import deque
 
 from iterserve.engine.engine import Engine
+from iterserve.executor.base import KVBlockIO
 from iterserve.kv_transfer.connector import HandoffMeta, KVConnector
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
@@ -21,7 +22,7 @@ logger = logging.getLogger("iterserve.disagg")
 
 
 def _require(engine: Engine, method: str, role: str) -> None:
-    if not callable(getattr(engine.executor, method, None)):
+    if not isinstance(engine.executor, KVBlockIO):
         raise TypeError(f"a {role} engine needs an executor with {method}(); "
                         f"{type(engine.executor).__name__} has none (tensor parallel does not move KV blocks yet)")
 

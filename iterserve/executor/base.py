@@ -8,7 +8,7 @@ instead of defaulting to something that quietly changes behaviour. Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 
@@ -69,6 +69,16 @@ class Executor(Protocol):
     def execute(self, plan: SchedulerOutput) -> StepResult: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class KVBlockIO(Protocol):
+    """An executor whose KV blocks can be read out and written in, in the pool's layout (the hand-off
+    of disaggregated prefill); not part of the Executor contract, which every executor meets."""
+
+    def read_blocks(self, block_ids: list[int]): ...
+
+    def write_blocks(self, block_ids: list[int], blocks) -> None: ...
 
 
 _REQUIRED = ("kv_cache_spec", "max_model_len", "vocab_size", "eos_token_ids", "tokenizer", "execute", "shutdown")
