@@ -20,6 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(parser, ServerConfig, "server", defaults={"api_key": os.environ.get("ITERSERVE_API_KEY")})
     add_engine_args(parser)
     add_replica_args(parser)
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    pd.add_argument("--pd", default=None, help="1P1D: a prefill and a decode engine, each its own process, "
+                    "joined by a KV connector")
+    pd.add_argument("--kv-transport", choices=("shm", "dist"), default="shm",
+                    help="with --pd: shared memory, or torch.distributed send/recv")
     return parser
 
 
@@ -62,12 +67,19 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.monotonic()
     logger.info("loading %s ...", config.model_config.model or "the default model (SmolLM2-135M-Instruct)")
-    async_engine = AsyncEngine(lambda: Engine(config), request_timeout=server.request_timeout,
-                               log_interval=server.log_interval)
+    build = lambda: Engine(config)  # noqa: E731
+    if args.pd:
+        if args.pd.upper() != "1P1D" or config.parallel_config.tensor_parallel_size > 1:
+            fail(f"--pd serves 1P1D without tensor parallelism (not {args.pd!r}); `iterserve simulate --pd` models xPyD")
+        from iterserve.server.pd_engines import serving_engines
+        build = lambda: serving_engines(config, args.kv_transport)  # noqa: E731
+    async_engine = AsyncEngine(build, request_timeout=server.request_timeout, log_interval=server.log_interval)
     engine = async_engine.engine
     logger.info("loaded in %.1f s: %d KV blocks of %d tokens", time.monotonic() - start,
                 engine.stats.num_kv_blocks, config.cache_config.block_size)
-    diagnostics = make_diagnostics(engine, server.slo_ttft, server.slo_tpot) if server.diagnostics else None
+    diagnostics = None
+    if server.diagnostics and not args.pd:  # diagnostics read one engine's scheduler
+        diagnostics = make_diagnostics(engine, server.slo_ttft, server.slo_tpot)
     app = build_app(async_engine, name, api_key=server.api_key, max_request_bytes=server.max_request_bytes,
                     allowed_origins=origins, diagnostics=diagnostics)
     if server.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:

@@ -38,7 +38,7 @@ def _worker(role: str, config_kwargs: dict, transport: str, shm_queue, init_meth
     from iterserve.engine.disagg import DecodeEngine, PrefillEngine
     from iterserve.engine.engine import Engine
     try:
-        engine = Engine(EngineConfig(**config_kwargs))
+        engine = Engine(config_kwargs if isinstance(config_kwargs, EngineConfig) else EngineConfig(**config_kwargs))
         connector = _make_connector(transport, role, shm_queue, init_method)
         side = PrefillEngine(engine, connector) if role == "prefill" else DecodeEngine(engine, connector)
     except Exception as exc:
@@ -64,20 +64,20 @@ def _worker(role: str, config_kwargs: dict, transport: str, shm_queue, init_meth
         if side.has_unfinished():
             outputs = side.step()
             if outputs:
-                outbox.put(("out", role, outputs))
+                outbox.put(("out", role, (outputs, side.engine.stats)))
 
 
 def _command(side, cmd: tuple, outbox, role: str) -> None:
     if cmd[0] == "add":
-        _, request_id, prompt, params, arrival = cmd
+        _, request_id, prompt, params, arrival, priority, cache_salt = cmd
         try:
-            side.add_request(prompt, params, request_id, arrival_time=arrival)
+            side.add_request(prompt, params, request_id, arrival_time=arrival, priority=priority, cache_salt=cache_salt)
         except ValueError as exc:
             outbox.put(("rejected", role, (request_id, str(exc))))
     elif cmd[0] == "abort":
         outputs = side.engine.abort_request(cmd[1])
         if outputs:
-            outbox.put(("out", role, outputs))
+            outbox.put(("out", role, (outputs, side.engine.stats)))
     elif cmd[0] == "stats":
         outbox.put(("stats", role, side.engine.stats))
 
@@ -85,8 +85,9 @@ def _command(side, cmd: tuple, outbox, role: str) -> None:
 class PDEngines:
     """The front of one prefill and one decode process. Not thread-safe: one caller drives it."""
 
-    def __init__(self, config_kwargs: dict, transport: str = "shm", port: int = 29561,
+    def __init__(self, config_kwargs, transport: str = "shm", port: int = 29561,
                  start_timeout_s: float = 180.0) -> None:
+        """config_kwargs: an EngineConfig or its keyword arguments, for both engines."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
         import torch.multiprocessing as mp
@@ -113,14 +114,16 @@ class PDEngines:
             self._drain(0.1)
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str = "") -> str:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str = "",
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> str:
         params = params or SamplingParams()
         params.validate()
         check_pd_params(params)
         if not request_id or request_id in self.stage:
             raise ValueError(f"request id {request_id!r} is empty or already in use")
         self.stage[request_id] = "prefill"
-        self.inbox["prefill"].put(("add", request_id, prompt, params, time.monotonic()))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.inbox["prefill"].put(("add", request_id, prompt, params, arrival, priority, cache_salt))
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -136,8 +139,39 @@ class PDEngines:
         outputs = self._drain(timeout)
         return outputs + self._fail_orphans()
 
+    # ---- the Engine's surface: the AsyncEngine and the HTTP server drive 1P1D as one engine -------
+    def step(self) -> list[RequestOutput]:
+        return self.get_outputs(0.01)
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Asynchronous: the aborted output comes back from the engine that holds the request."""
+        self.abort(request_id)
+        return []
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The decode engine's latest report, with the prefill engine's queue as the waiting requests."""
+        p, d = self._stats.get("prefill"), self._stats.get("decode")
+        if p is None or d is None:
+            return self.stats_of("decode")
+        return replace(d, num_waiting=d.num_waiting + p.num_waiting + p.num_running,
+                       num_prefix_queries=p.num_prefix_queries, num_prefix_hits=p.num_prefix_hits)
+
+    def stats_of(self, role: str) -> EngineStats:
+        return self._stats.get(role) or self.fetch_stats(role)
+
+    def shutdown(self) -> None:
+        self.close()
+
     # ---- processes ------------------------------------------------------------------------------
-    def stats(self, role: str, timeout: float = 30.0) -> EngineStats:
+    def fetch_stats(self, role: str, timeout: float = 30.0) -> EngineStats:
         self._stats.pop(role, None)
         self.inbox[role].put(("stats",))
         deadline = time.monotonic() + timeout
@@ -172,7 +206,8 @@ class PDEngines:
                 return outputs
             wait = 0.0
             if kind == "out":
-                outputs.extend(o for out in payload if (o := self._route(role, out)) is not None)
+                batch, self._stats[role] = payload
+                outputs.extend(o for out in batch if (o := self._route(role, out)) is not None)
             elif kind == "rejected":
                 request_id, error = payload
                 self.stage.pop(request_id, None)
@@ -214,3 +249,16 @@ class PDEngines:
                     failed.append(replace(last, new_token_ids=[], new_text="", finished=True,
                                           finish_reason="error", error=error))
         return failed
+
+
+def serving_engines(config, transport: str = "shm") -> PDEngines:
+    """1P1D with what the HTTP server reads from an engine: the tokenizer, vocabulary, EOS ids, context."""
+    from iterserve.executor.model_runner import eos_token_ids
+    from iterserve.model.loader import default_model_path, load_model_arch, load_tokenizer
+    pd = PDEngines(config, transport)
+    path = config.model_config.model or default_model_path()
+    arch = load_model_arch(path)
+    pd.config, pd.tokenizer, pd.vocab_size = config, load_tokenizer(path), arch.vocab_size
+    pd.eos_token_ids = eos_token_ids(arch, pd.tokenizer)
+    pd.max_model_len = min(pd.fetch_stats(role).max_model_len for role in ROLES)
+    return pd

@@ -37,7 +37,7 @@ def run_until_finished(pd: PDEngines, ids: list[str], timeout_s: float = 240.0) 
 
 
 def assert_no_blocks_held(pd: PDEngines, role: str) -> None:
-    stats = pd.stats(role)
+    stats = pd.fetch_stats(role)
     assert stats.num_free_kv_blocks == stats.num_kv_blocks, f"{role} engine leaked blocks"
 
 
@@ -55,7 +55,7 @@ def test_1p1d_processes_token_identical_to_colocated(prompts, transport):
         assert tokens == [t for t, _ in colocated]
         assert_no_blocks_held(pd, "prefill")
         assert_no_blocks_held(pd, "decode")
-        assert pd.stats("decode").num_kv_transfers_recomputed == 0
+        assert pd.fetch_stats("decode").num_kv_transfers_recomputed == 0
     finally:
         pd.close()
     assert not any(p.is_alive() for p in pd.procs.values())
@@ -84,3 +84,32 @@ def test_decode_killed_mid_stream(prompts):
         assert_no_blocks_held(pd, "prefill")
     finally:
         pd.close()
+
+
+def test_async_engine_streams_1p1d_with_text(prompts):
+    """What `iterserve serve --pd 1P1D` runs: the AsyncEngine driving both processes as one engine."""
+    import asyncio
+
+    from iterserve.server.async_engine import AsyncEngine
+    from iterserve.server.pd_engines import serving_engines
+    colocated, engine = generate(ModelRunner(EngineConfig(**CONFIG)), prompts[:1], num_tokens=NEW_TOKENS)
+    async_engine = AsyncEngine(lambda: serving_engines(EngineConfig(**CONFIG)))
+    try:
+        async def run():
+            outs = [o async for o in async_engine.generate(prompts[0], GREEDY, request_id="a")]
+            return outs
+        outs = asyncio.run(run())
+        assert outs[-1].finished and outs[-1].token_ids == colocated[0][0]
+        streamed = [t for o in outs for t in o.new_token_ids]
+        assert streamed == colocated[0][0], "each token streamed once: the first from prefill, the rest from decode"
+        assert outs[-1].text and "".join(o.new_text for o in outs) == outs[-1].text
+        assert async_engine.engine.stats.num_free_kv_blocks == async_engine.engine.stats.num_kv_blocks
+    finally:
+        async_engine.shutdown()
+
+
+def test_serve_pd_refuses_what_it_does_not_run(capsys):
+    from iterserve.server.cli import main as serve_main
+    with pytest.raises(SystemExit):
+        serve_main(["--pd", "2P1D", "--port", str(free_port())])
+    assert "--pd serves 1P1D" in capsys.readouterr().err
