@@ -51,6 +51,9 @@ class PrefillEngine:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        return self.engine.abort_request(request_id)
+
     def step(self) -> list[RequestOutput]:
         """One engine step; each request that just got its first token (and goes on) is handed off.
         Its output is the first token, unfinished; `error` is set when the hand-off failed."""
@@ -89,16 +92,29 @@ class DecodeEngine:
         _require(engine, "write_blocks", "decode")
         self.engine, self.connector = engine, connector
         self.pending: deque = deque()  # arrived, waiting for room in the pool or a seat
+        self.dropped: set[str] = set()  # aborted before they landed: dropped when they do
 
     def has_unfinished(self) -> bool:
         return bool(self.pending) or self.engine.has_unfinished()
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Abort a request held here, waiting here, or still on its way (dropped when it lands)."""
+        waiting = len(self.pending)
+        self.pending = deque(t for t in self.pending if t.request_id != request_id)
+        outputs = self.engine.abort_request(request_id)
+        if not outputs and len(self.pending) == waiting:
+            self.dropped.add(request_id)
+        return outputs
 
     def poll(self, timeout: float = 0.0) -> int:
         """Take in what has arrived (waiting up to `timeout` for the first); returns how many."""
         n = 0
         while (transfer := self.connector.receive(timeout if n == 0 else 0.0)) is not None:
-            self.pending.append(transfer)
             n += 1
+            if transfer.request_id in self.dropped:
+                self.dropped.discard(transfer.request_id)
+            else:
+                self.pending.append(transfer)
         while self.pending and self.engine.add_computed_request(self.pending[0]):
             self.pending.popleft()
         return n

@@ -75,7 +75,7 @@ def _command(side, cmd: tuple, outbox, role: str) -> None:
         except ValueError as exc:
             outbox.put(("rejected", role, (request_id, str(exc))))
     elif cmd[0] == "abort":
-        outputs = side.engine.abort_request(cmd[1])
+        outputs = side.abort_request(cmd[1])
         if outputs:
             outbox.put(("out", role, (outputs, side.engine.stats)))
     elif cmd[0] == "stats":
@@ -127,9 +127,13 @@ class PDEngines:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        role = self.stage.get(request_id)
-        if role is not None and self.procs[role].is_alive():
-            self.inbox[role].put(("abort", request_id))
+        """Forgotten here at once; both sides are told, since its blocks may be between them."""
+        if self.stage.pop(request_id, None) is None:
+            return
+        self.last.pop(request_id, None)
+        for role in ROLES:
+            if self.procs[role].is_alive():
+                self.inbox[role].put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
         return bool(self.stage)

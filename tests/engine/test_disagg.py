@@ -105,3 +105,19 @@ def test_failed_transfer_is_recomputed_with_the_same_tokens(runners, prompts):
     pd, _, decode = generate_pd(runners, prompts, LossyConnector(), one_at_a_time=True)
     assert [t for t, _ in pd] == [t for t, _ in colocated]
     assert decode.engine.stats.num_kv_transfers_recomputed == (len(prompts) + 1) // 2
+
+
+def test_abort_while_the_blocks_are_on_their_way(runners, prompts):
+    connector = ShmConnector()
+    prefill = PrefillEngine(Engine(EngineConfig(**CONFIG), executor=runners[0]), connector)
+    decode = DecodeEngine(Engine(EngineConfig(**CONFIG), executor=runners[1]), connector)
+    prefill.add_request(prompts[0], SamplingParams(max_tokens=8, temperature=0), request_id="a")
+    while prefill.has_unfinished():
+        prefill.step()
+    assert decode.abort_request("a") == []  # not here yet
+    deadline = time.monotonic() + 30
+    while not decode.poll(timeout=0.05):
+        assert time.monotonic() < deadline, "the transfer never landed"
+    assert not decode.has_unfinished() and not decode.dropped
+    for engine in (prefill.engine, decode.engine):
+        assert engine.stats.num_free_kv_blocks == engine.stats.num_kv_blocks
