@@ -2,7 +2,8 @@
 
 x prefill and y decode engines, each a real Engine (wrapped as in engine/disagg.py) on a
 SimulatedExecutor with its own VirtualClock, on one event timeline as in sim/cluster.py. The events
-are arrivals (to the prefill engine with the fewest queued prompt tokens), engine step ends, and KV
+are arrivals (to a prefill engine chosen by the router's prefix-affinity policy, as replicas are),
+engine step ends, and KV
 transfers landing: a request's prompt blocks leave its prefill engine after its first token and reach
 the decode engine with the lowest KV usage after bytes / interconnect bandwidth. Colocated runs the
 same trace on x + y replicas (run_cluster), so both use the same number of devices.
@@ -17,6 +18,9 @@ from iterserve.bench.metrics import Slo, TargetResult, request_metrics, summariz
 from iterserve.bench.runner import trace_params
 from iterserve.bench.workload import Trace, materialize_prompts
 from iterserve.engine.disagg import DecodeEngine, PrefillEngine
+from iterserve.kv_transfer.connector import KVTransfer
+from iterserve.router.policy import ReplicaLoad, make_router, prompt_block_hashes
+from iterserve.sim.cluster import load_of
 
 
 def parse_pd(text: str) -> tuple[int, int]:
@@ -35,7 +39,6 @@ class _Link:
         self.inbox: deque = deque()
 
     def send(self, request_id, blocks, hashes, meta) -> None:
-        from iterserve.kv_transfer.connector import KVTransfer
         self.sent.append(KVTransfer(request_id, blocks, hashes, meta))
 
     def receive(self, timeout: float = 0.0):
@@ -59,7 +62,9 @@ def run_disagg(make_engine, num_prefill: int, num_decode: int, trace: Trace, lin
     sides = prefill + decode
     pending = deque(sorted(trace.requests, key=lambda r: r.arrival_time))
     by_id = {r.request_id: r for r in trace.requests}
-    queued = [0] * num_prefill  # prompt tokens routed to each prefill engine and not yet handed off
+    router, ids = make_router("prefix-affinity"), [f"prefill-{i}" for i in range(num_prefill)]
+    loads = {rid: ReplicaLoad() for rid in ids}
+    block_size = prefill[0].engine.scheduler.block_size
     busy: list[tuple[float, int]] = []  # (clock, index into sides)
     landing: list[tuple[float, int, object]] = []  # (arrival time, seq, transfer)
     done, seq, transfer_s = {}, 0, 0.0
@@ -76,8 +81,9 @@ def run_disagg(make_engine, num_prefill: int, num_decode: int, trace: Trace, lin
         t_step = busy[0][0] if busy else float("inf")
         if t_arrival <= min(t_land, t_step):
             r = pending.popleft()
-            i = min(range(num_prefill), key=lambda k: queued[k])
-            queued[i] += r.prompt_len
+            hashes = prompt_block_hashes(r.prompt_token_ids, block_size)
+            i = ids.index(router.choose(hashes, loads))
+            router.on_routed(ids[i], hashes)
             prefill[i].add_request(r.prompt_token_ids, trace_params(r), request_id=r.request_id,
                                    arrival_time=r.arrival_time)
             wake(i, r.arrival_time)
@@ -91,11 +97,13 @@ def run_disagg(make_engine, num_prefill: int, num_decode: int, trace: Trace, lin
             side = sides[i]
             before = side.engine.clock()
             for out in side.step():
+                if i < num_prefill:
+                    router.on_finished(ids[i])  # handed off, or done after one token
                 if out.finished:
                     r = by_id[out.request_id]
                     done[r.request_id] = request_metrics(r.request_id, r.prompt_len, len(out.token_ids), out.times)
-                elif i < num_prefill:
-                    queued[i] -= by_id[out.request_id].prompt_len
+            if i < num_prefill:
+                loads[ids[i]] = load_of(side.engine.stats)
             for transfer in link.sent:
                 dt = transfer.blocks.nbytes / link_bandwidth
                 transfer_s += dt
@@ -148,7 +156,6 @@ def compare(make_engine, trace_at, splits: list[tuple[int, int]], link_bandwidth
             target: float = 0.9, router_policy: str = "prefix-affinity") -> list[dict]:
     """Colocated on x + y replicas vs each xPyD split: the goodput per device (max_rate_per_device)
     and the latencies at that rate."""
-    from iterserve.router.policy import make_router
     from iterserve.sim.cluster import run_cluster
     rows = []
     for n in sorted({x + y for x, y in splits}):
