@@ -9,7 +9,7 @@ import torch
 
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
-from iterserve.executor.model_runner import ModelRunner
+from iterserve.executor.model_runner import ModelRunner, cpu_has_bf16
 from iterserve.sampling_params import SamplingParams
 
 PROMPT_LENS = [3, 7, 16, 33, 64, 100, 180, 300]
@@ -152,6 +152,9 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bf16(prompts, reference
     further from float32 than transformers' own bf16 is: at each position, both teacher-forced on our
     tokens, how often the greedy token differs from float32's. (Whole prompts that part within 8
     tokens were counted before: a statistic of 8 coin flips, which any last-bit change moved.)"""
+    if not fused_ops and not cpu_has_bf16():
+        pytest.skip("torch's own bf16 ops are checked where bf16 is native; emulated, they make the suite's "
+                    "slowest test (the fused-op run still checks bf16 here)")
     runner = ModelRunner(EngineConfig(dtype="bfloat16", num_kv_blocks=128))
     runner.model.cpu_ops = runner.model.cpu_ops and fused_ops  # the C++ elementwise ops, and torch's
     ours, _ = generate(runner, prompts)

@@ -31,7 +31,7 @@ def generate(runner, prompts: list[list[int]]) -> list[list[int]]:
     from iterserve.sampling_params import SamplingParams
     # a 16-token budget: the long prompt is chunked, then joins the short ones as they prefill
     engine = Engine(EngineConfig(dtype="float32", block_size=BS, max_num_seqs=4, max_num_batched_tokens=16,
-                                 num_kv_blocks=runner.num_kv_blocks), executor=runner)
+                                 num_kv_blocks=runner.kv_cache_spec.num_device_blocks), executor=runner)
     ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
            for p, n in zip(prompts, MAX_TOKENS)]
     done = {}
