@@ -73,18 +73,41 @@ def _decode_plan(batch: int, context: int, block_size: int) -> SchedulerOutput:
     return SchedulerOutput(reqs, block_size)
 
 
-def _prefill_plan(batch: int, length: int, block_size: int) -> SchedulerOutput:
-    per = -(-length // block_size)
-    reqs = [ScheduledRequest(f"p{i}", [(7 * j + i) % 1000 + 10 for j in range(length)], 0,
+def _prefill_plan(batch: int, length: int, block_size: int, cached: int = 0) -> SchedulerOutput:
+    """`batch` prompt chunks of `length` tokens, each after `cached` tokens already in the cache
+    (a prefix-cache hit or an earlier chunk): its attention reads them through the block table."""
+    per = -(-(cached + length) // block_size)
+    reqs = [ScheduledRequest(f"p{i}", [(7 * j + i) % 1000 + 10 for j in range(length)], cached,
                              list(range(i * per, (i + 1) * per)), True, GREEDY, 0) for i in range(batch)]
     return SchedulerOutput(reqs, block_size)
 
 
-def measure_steps(runner, points: list[tuple[str, int, int]], reps: int) -> list[dict]:
-    """Median wall time of runner.execute for each (kind, batch, length) point."""
+def parse_points(spec: str) -> list[tuple[str, int, int, int]]:
+    """`decode:16:1024,prefill:1:64@1024` -> [(kind, batch, length, cached)]; ValueError names a bad one."""
+    points = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        kind, _, rest = item.partition(":")
+        batch, _, length = rest.partition(":")
+        length, _, cached = length.partition("@")
+        try:
+            point = (kind, int(batch), int(length), int(cached or 0))
+        except ValueError:
+            point = None
+        if kind not in ("decode", "prefill") or point is None or min(point[1:3]) < 1 or point[3] < 0 \
+                or kind == "decode" and cached:
+            raise ValueError(f"bad point {item!r}: use decode:BATCH:CONTEXT or prefill:BATCH:LENGTH[@CACHED]")
+        points.append(point)
+    if not points:
+        raise ValueError("--points lists no point")
+    return points
+
+
+def measure_steps(runner, points: list[tuple[str, int, int, int]], reps: int) -> list[dict]:
+    """Median wall time of runner.execute for each (kind, batch, length, cached) point."""
     rows = []
-    for kind, batch, length in points:
-        plan = (_decode_plan if kind == "decode" else _prefill_plan)(batch, length, runner.block_size)
+    for kind, batch, length, cached in points:
+        plan = (_decode_plan(batch, length, runner.block_size) if kind == "decode"
+                else _prefill_plan(batch, length, runner.block_size, cached))
         runner.execute(plan)  # warm-up
         times = []
         for _ in range(reps):
@@ -92,10 +115,12 @@ def measure_steps(runner, points: list[tuple[str, int, int]], reps: int) -> list
             runner.execute(plan)
             times.append(time.perf_counter() - t)
         q = [len(s.token_ids) for s in plan.scheduled]
-        rows.append({"kind": kind, "batch": batch, "length": length, "q_lens": q,
+        rows.append({"kind": kind, "batch": batch, "length": length, "cached": cached, "q_lens": q,
                      "ctx_lens": [s.start_pos + len(s.token_ids) for s in plan.scheduled],
                      "measured_s": statistics.median(times)})
-        print(f"  {kind:<7} batch {batch:>3} len {length:>4}: {rows[-1]['measured_s'] * 1e3:8.1f} ms", flush=True)
+        after = f" after {cached}" if cached else ""
+        ms = rows[-1]["measured_s"] * 1e3
+        print(f"  {kind:<7} batch {batch:>3} len {length:>4}{after}: {ms:8.1f} ms", flush=True)
     return rows
 
 
@@ -205,8 +230,15 @@ def predict_rows(model: ModelSpec, hw: HardwareSpec, rows: list[dict]) -> list[f
 
 # ---------------------------------------------------------------- command
 
+# The default step shapes: kind:batch:length[@cached]. A profile is most accurate on the shapes its
+# workload runs (long contexts, chunks after a cached prefix): pass those with --points.
+QUICK_POINTS = ("decode:1:128,decode:8:128,decode:32:128,decode:32:512,decode:8:1024,"
+                "prefill:1:128,prefill:1:512,prefill:4:128")
+MORE_POINTS = "decode:4:256,decode:16:256,decode:64:256,prefill:1:32"
+
+
 def calibrate(model_path: str | None, quick: bool = False, dtype: str = "auto", reps: int = 3,
-              num_threads: int | None = None) -> dict:
+              num_threads: int | None = None, points: list[tuple[str, int, int, int]] | None = None) -> dict:
     import torch
     if num_threads:
         torch.set_num_threads(num_threads)
@@ -220,18 +252,17 @@ def calibrate(model_path: str | None, quick: bool = False, dtype: str = "auto", 
     bw = measure_bandwidth()
     print(f"  matmul {flops['float32'] / 1e9:.1f} GFLOP/s fp32, {flops['bfloat16'] / 1e9:.1f} GFLOP/s bf16; "
           f"memory {bw / 1e9:.1f} GB/s", flush=True)
-    runner = ModelRunner(EngineConfig(model=model_path, dtype=dtype, num_kv_blocks=1200, max_num_seqs=64,
+    if points is None:
+        points = parse_points(QUICK_POINTS if quick else f"{QUICK_POINTS},{MORE_POINTS}")
+    blocks = max(1200, max(b * -(-(n + c) // 16) for _, b, n, c in points))  # one point's requests at a time
+    runner = ModelRunner(EngineConfig(model=model_path, dtype=dtype, num_kv_blocks=blocks, max_num_seqs=64,
                                        num_threads=num_threads))
     elem = torch.tensor([], dtype=runner.dtype).element_size()
     spec = get_model_spec(path, elem)
-    points = [("decode", 1, 128), ("decode", 8, 128), ("decode", 32, 128), ("decode", 32, 512),
-              ("decode", 8, 1024), ("prefill", 1, 128), ("prefill", 1, 512), ("prefill", 4, 128)]
-    if not quick:
-        points += [("decode", 4, 256), ("decode", 16, 256), ("decode", 64, 256), ("prefill", 1, 32)]
     rows = measure_steps(runner, points, reps)
     base = HardwareSpec("cpu-local", memory_bytes=_total_memory(), mem_bandwidth=bw,
                         peak_flops=flops["bfloat16" if elem == 2 else "float32"], reserved_bytes=0, kind="cpu",
-                        interconnect_bandwidth=bw, host_link_bandwidth=bw)
+                        interconnect_bandwidth=bw, host_link_bandwidth=bw, fused_attention=False)
     hw, err = fit_profile(spec, base, rows)
     host_fixed, host_seq = measure_host_overhead(runner.tokenizer, [1, 8, 32])
     print(f"  engine host work: {host_fixed * 1e3:.2f} ms/step + {host_seq * 1e6:.0f} us/request", flush=True)
@@ -330,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default=None, help=f"profile path (default: {default_cpu_profile_path()})")
     p.add_argument("--quick", action="store_true", help="fewer step-time points")
     p.add_argument("--reps", type=int, default=3, help="timings per step-time point (the median is kept)")
+    p.add_argument("--points", default=None, metavar="SPEC",
+                   help="step shapes to time instead of the default grid, e.g. "
+                        "decode:16:1024,prefill:1:64@1024 (BATCH requests; LENGTH new tokens after CACHED)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads for every measurement (1 is steadier when other work shares the cores)")
     p.add_argument("--validate", action="store_true",
@@ -352,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"no profile at {args.validate_only} (write one with `iterserve calibrate`)")
         print(format_validation(validate(args.validate_only, num_threads=args.num_threads, save_dir=args.save_runs)))
         return 0
-    profile = calibrate(args.model, args.quick, args.dtype, args.reps, args.num_threads)
+    try:
+        points = parse_points(args.points) if args.points else None
+    except ValueError as exc:
+        fail(str(exc))
+    profile = calibrate(args.model, args.quick, args.dtype, args.reps, args.num_threads, points)
     out = Path(args.output) if args.output else default_cpu_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2))
@@ -373,7 +411,8 @@ def _print_fit(profile: dict) -> None:
           f"attention eff {hw['attn_efficiency']:.2f}, overhead {hw['step_overhead_s'] * 1e3:.2f} ms/step "
           f"+ {hw['seq_overhead_s'] * 1e6:.0f} us/request; step-time fit error "
           f"{profile['measured']['fit_rms_rel_error'] * 100:.1f}% rms")
-    print(f"{'kind':<8}{'batch':>6}{'len':>6}{'measured ms':>13}{'model ms':>10}{'error':>8}")
+    print(f"{'kind':<8}{'batch':>6}{'len':>10}{'measured ms':>13}{'model ms':>10}{'error':>8}")
     for r in profile["measured"]["steps"]:
-        print(f"{r['kind']:<8}{r['batch']:>6}{r['length']:>6}{r['measured_s'] * 1e3:>13.1f}"
+        length = f"{r['length']}@{r['cached']}" if r.get("cached") else str(r["length"])
+        print(f"{r['kind']:<8}{r['batch']:>6}{length:>10}{r['measured_s'] * 1e3:>13.1f}"
               f"{r['predicted_s'] * 1e3:>10.1f}{r['error'] * 100:>7.1f}%")

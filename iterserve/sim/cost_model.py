@@ -77,14 +77,17 @@ class CostModel:
         if not q_lens:
             return StepBreakdown(0.0, 0.0, 0.0, 0.0, self.transfer_time(swap_blocks, block_size))
         tokens = sum(q_lens)
-        # (query, key) pairs: a decode token sees its whole context; a chunk is causal within itself
-        pairs = sum(ctx if q == 1 else q * (ctx - q + (q + 1) / 2) for q, ctx in zip(q_lens, ctx_lens))
         linear_bytes = self.weight_bytes_per_step + tokens * self.act_bytes_per_token
         linear_flops = tokens * self.flops_per_token + len(q_lens) * self.flops_per_logit_row
         linear = max(linear_bytes / self.mem_bw, linear_flops / self.linear_flops_rate)
-        # K/V of every context token is read once; the new tokens' K/V are also written
-        kv_bytes = (sum(ctx_lens) + tokens) * self.kv_bytes_per_token
-        attention = max(kv_bytes / self.kv_bw, pairs * self.attn_flops_per_pair / self.attn_flops_rate)
+        # (query, key) pairs: a decode token sees its whole context; a chunk is causal within itself.
+        # K/V of every context token is read once; the new tokens' K/V are also written.
+        decode, prompt = [0, 0.0], [0, 0.0]  # [context + new tokens, pairs]
+        for q, ctx in zip(q_lens, ctx_lens):
+            part = decode if q == 1 else prompt
+            part[0] += ctx + q
+            part[1] += ctx if q == 1 else q * (ctx - q + (q + 1) / 2)
+        attention = self.attention_time(decode[0], decode[1], prompt[0], prompt[1])
         overhead = self.fixed_overhead + len(q_lens) * self.hw.seq_overhead_s
         allreduce = 0.0
         if self.allreduce_count:
@@ -93,27 +96,39 @@ class CostModel:
         return StepBreakdown(linear, attention, overhead, allreduce,
                              self.transfer_time(swap_blocks, block_size))
 
+    def attention_time(self, decode_kv: int, decode_pairs: float, prompt_kv: int, prompt_pairs: float) -> float:
+        """K/V tokens touched and (query, key) pairs of the step's decode rows and prompt chunks. One fused
+        kernel (a GPU's varlen attention) is priced as one roofline; separate kernels one after the
+        other (the CPU path) as two."""
+        f, rate, bw = self.attn_flops_per_pair, self.attn_flops_rate, self.kv_bw
+        if self.hw.fused_attention:
+            return max((decode_kv + prompt_kv) * self.kv_bytes_per_token / bw, (decode_pairs + prompt_pairs) * f / rate)
+        return (max(decode_kv * self.kv_bytes_per_token / bw, decode_pairs * f / rate)
+                + max(prompt_kv * self.kv_bytes_per_token / bw, prompt_pairs * f / rate))
+
     def transfer_time(self, swap_blocks: int, block_size: int) -> float:
         """Swap moves blocks over the host link (each GPU its own shard, in parallel)."""
         return swap_blocks * block_size * self.kv_bytes_per_token / self.hw.host_link_bandwidth
 
     def plan_time(self, plan: SchedulerOutput) -> float:
         """The hot path of the simulator: one pass over the scheduled requests."""
-        tokens = ctx_sum = n = 0
-        pairs = 0.0
+        tokens = n = decode_kv = prompt_kv = 0
+        decode_pairs = prompt_pairs = 0.0
         for s in plan.scheduled:
             q = len(s.token_ids)
-            ctx = s.start_pos + q
             tokens += q
-            ctx_sum += ctx
             n += 1
-            pairs += ctx if q == 1 else q * (s.start_pos + (q + 1) / 2)
+            if q == 1:
+                decode_kv += s.start_pos + 2
+                decode_pairs += s.start_pos + 1
+            else:
+                prompt_kv += s.start_pos + 2 * q
+                prompt_pairs += q * (s.start_pos + (q + 1) / 2)
         t = 0.0
         if n:
             linear = max((self.weight_bytes_per_step + tokens * self.act_bytes_per_token) / self.mem_bw,
                          (tokens * self.flops_per_token + n * self.flops_per_logit_row) / self.linear_flops_rate)
-            attention = max((ctx_sum + tokens) * self.kv_bytes_per_token / self.kv_bw,
-                            pairs * self.attn_flops_per_pair / self.attn_flops_rate)
+            attention = self.attention_time(decode_kv, decode_pairs, prompt_kv, prompt_pairs)
             t = linear + attention + self.fixed_overhead + n * self.hw.seq_overhead_s
             if self.allreduce_count:
                 t += self.allreduce_count * (self.hw.allreduce_latency_s + tokens

@@ -26,6 +26,7 @@ class HardwareSpec:
     flops_efficiency: float = 0.65  # reached fraction of peak_flops for the linear layers
     attn_efficiency: float = 0.5  # reached fraction of peak for attention FLOPs (prefill)
     attn_mem_efficiency: float | None = None  # KV reads in decode attention; None: mem_efficiency
+    fused_attention: bool = True  # decode rows and prompt chunks in one attention kernel (GPU varlen)
     step_overhead_s: float = 0.0004  # per step: scheduling, input prep, sampling, launch
     layer_overhead_s: float = 0.00002  # per layer per step: kernel launches, norms, rope
     seq_overhead_s: float = 0.0  # per scheduled request per step: host-side bookkeeping

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from iterserve.sim.calibrate import fit_profile, predict_rows
+from iterserve.sim.calibrate import MORE_POINTS, QUICK_POINTS, fit_profile, parse_points, predict_rows
 from iterserve.sim.cli import main as simulate_main
 from iterserve.sim.hardware import HardwareSpec, get_hardware
 from iterserve.sim.model_spec import get_model_spec
@@ -40,3 +40,11 @@ def test_simulate_loads_a_profile(tmp_path, capsys):
     assert simulate_main(["--step-time", "--hardware", "cpu-local", "--hardware-profile", str(path),
                           "--batch-sizes", "1,4"]) == 0
     assert "smollm2-135m on 1 x cpu-local" in capsys.readouterr().out
+
+
+def test_points_parse_and_bad_ones_are_named():
+    assert parse_points("decode:16:1024, prefill:1:64@1024") == [("decode", 16, 1024, 0), ("prefill", 1, 64, 1024)]
+    assert len(parse_points(f"{QUICK_POINTS},{MORE_POINTS}")) == 12
+    for bad in ("decode:16", "decode:0:128", "prefill:1:x", "decode:1:8@4", "encode:1:8", ","):
+        with pytest.raises(ValueError, match="point"):
+            parse_points(bad)

@@ -1,5 +1,6 @@
 """The cost model against published measurements and against its own first principles."""
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -116,11 +117,25 @@ def test_plan_time_fast_path_agrees_with_breakdown():
     from iterserve.sampling_params import SamplingParams
     from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
     p = SamplingParams()
-    for tp, model, hw in [(1, "llama-2-7b", "a100-80gb"), (4, "llama-3-70b", "h100-sxm")]:
-        cm = CostModel(get_model_spec(model), get_hardware(hw), tp)
+    for tp, model, hw, fused in [(1, "llama-2-7b", "a100-80gb", True), (4, "llama-3-70b", "h100-sxm", True),
+                                 (1, "llama-2-7b", "a100-80gb", False)]:
+        cm = CostModel(get_model_spec(model), replace(get_hardware(hw), fused_attention=fused), tp)
         reqs = [ScheduledRequest("a", [1] * 300, 256, [], False, p), ScheduledRequest("b", [1], 999, [], True, p),
                 ScheduledRequest("c", [1] * 64, 0, [], True, p)]
         plan = SchedulerOutput(reqs, 16, swap_out=[(1, 2)] * 3, swap_in=[(4, 5)] * 2)
         expected = cm.breakdown([300, 1, 64], [556, 1000, 64], swap_blocks=5, block_size=16).total_s
         assert cm.plan_time(plan) == pytest.approx(expected)
         assert cm.plan_time(SchedulerOutput([], 16, swap_in=[(0, 1)])) == pytest.approx(cm.transfer_time(1, 16))
+
+
+def test_separate_attention_kernels_cost_the_sum_of_their_rooflines():
+    """The CPU path runs decode rows and prompt chunks through two kernels, one after the other."""
+    model, hw = get_model_spec("llama-2-7b"), get_hardware("a100-80gb")
+    fused, split = CostModel(model, hw), CostModel(model, replace(hw, fused_attention=False))
+    decode_only, prompt_only = ([1] * 8, [2048] * 8), ([512], [1024])
+    mixed = ([1] * 8 + [512], [2048] * 8 + [1024])
+    for cm in (fused, split):  # one kind of row: the same price either way
+        assert cm.breakdown(*decode_only).attention_s == pytest.approx(fused.breakdown(*decode_only).attention_s)
+    parts = split.breakdown(*decode_only).attention_s + split.breakdown(*prompt_only).attention_s
+    assert split.breakdown(*mixed).attention_s == pytest.approx(parts)
+    assert fused.breakdown(*mixed).attention_s < parts
