@@ -33,7 +33,16 @@ def _check_device(name: str) -> str:
     return name
 
 
+def _check_ray_address(address: str | None) -> str | None:
+    if address is not None and not re.fullmatch(r"auto|local|(ray://)?[^\s:/]+:\d{1,5}", address):
+        raise ValueError("ray_address must be auto, local, HOST:PORT or ray://HOST:PORT")
+    return address
+
+
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+# The routing policies of `serve --router` (router/policy.py make_router builds each; a test keeps this
+# list equal to its POLICIES).
+RouterPolicy = Literal["prefix-affinity", "round-robin", "power-of-two", "least-kv"]
 CPU_KV_CACHE_MEMORY = 1 << 30  # the KV pool on CPU when neither num_kv_blocks nor kv_cache_memory is given
 SWAP_SPACE = 1 << 30  # the host pool when a preemption mode can swap and swap_space is not given
 _STRICT = ConfigDict(extra="forbid", validate_assignment=True)
@@ -153,6 +162,14 @@ class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Replicas on Ray Serve (with --data-parallel-size > 1; docs/scale.md)
+    ray_address: Annotated[str | None, BeforeValidator(_check_ray_address)] = _help(
+        "with --data-parallel-size > 1: join this running Ray cluster (HOST:PORT, ray://HOST:PORT or auto); "
+        "default: start a local Ray", default=None)
+    num_cpus_per_replica: float = _help("CPUs Ray reserves for each engine replica (its placement, not a thread "
+                                        "count)", default=1.0, gt=0)
+    router: RouterPolicy = _help("how requests pick a replica (with --data-parallel-size > 1)",
+                                 default="prefix-affinity")
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,

@@ -24,12 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import iterserve
+from iterserve.engine import Engine
 from iterserve.engine.diagnostics import Diagnostics
 from iterserve.outputs import RequestOutput
 from iterserve.server.async_engine import (
     AsyncEngine, EngineDeadError, QueueFullError, RequestStream, RequestTimeoutError, ShuttingDownError,
 )
 from iterserve.server.dashboard import mount as mount_dashboard
+from iterserve.server.engine_client import EngineClient, check_engine_client
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -62,15 +64,19 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
     return JSONResponse(ErrorResponse.of(message, type, status, param), status_code=status, headers=headers)
 
 
-def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20, metrics: ServerMetrics | None = None,
+def build_app(async_engine: EngineClient, served_model_name: str, api_key: str | None = None,
+              max_request_bytes: int = 1 << 20, metrics=None,
               allowed_origins: list[str] | None = None, diagnostics: Diagnostics | None = None) -> FastAPI:
-    metrics = metrics or ServerMetrics(served_model_name)
-    async_engine.on_step = metrics.on_step
-    engine = async_engine.engine
-    tokenizer = engine.tokenizer
+    """The OpenAI app over an engine client (server/engine_client.py), checked here. `metrics`: what
+    /metrics renders; by default a ServerMetrics fed by the client's on_step. A caller that passes its
+    own (the Ray ingress: ClusterMetrics) feeds it itself."""
+    check_engine_client(async_engine)
+    if metrics is None:
+        metrics = ServerMetrics(served_model_name)
+        async_engine.on_step = metrics.on_step
+    tokenizer = async_engine.tokenizer
     token_text = TokenText(tokenizer)
-    max_model_len = engine.max_model_len
+    max_model_len = async_engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -142,7 +148,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
         try:
-            ids = engine.encode(body.tokens) if body.tokens else []
+            ids = async_engine.encode(body.tokens) if body.tokens else []
         except ValueError as e:
             raise ApiError(400, str(e), param="tokens") from e
         if tokenizer is None:
@@ -179,7 +185,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         if tokenizer is None:
             raise ApiError(400, "structured output needs the model's tokenizer")
         from iterserve.executor.structured_output import grammar_cache
-        cache = grammar_cache(tokenizer, engine.vocab_size, engine.eos_token_ids)
+        cache = grammar_cache(tokenizer, async_engine.vocab_size, async_engine.eos_token_ids)
         try:
             await asyncio.to_thread(cache.compile, spec)
         except ValueError as e:
@@ -203,7 +209,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         check_model(body.model)
         try:
             texts = body.prompt_list()
-            prompts = [engine.encode(p) for p in texts]
+            prompts = [async_engine.encode(p) for p in texts]
             params = body.completion_params()
         except ValueError as e:
             raise ApiError(400, str(e)) from e
@@ -260,7 +266,7 @@ def build_app(async_engine: AsyncEngine, served_model_name: str, api_key: str | 
         return ChatCompletionResponse(id=stream.request_id, created=created, model=model, usage=_usage(outs),
                                       choices=choices)
 
-    if isinstance(async_engine, AsyncEngine):  # a local engine; the Ray ingress (server/ray_app.py) has none
+    if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, Engine):  # they read its scheduler
         mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics
     app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes)
     if allowed_origins:  # off by default; outside the guard, so preflights need no API key

@@ -199,6 +199,27 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
+    # ---- the model, as the app sees it (server/engine_client.py); constant, so safe off the engine thread
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.engine.vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.engine.eos_token_ids
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """The engine's own prompt check (pure: reads only the tokenizer and the vocabulary size)."""
+        return self.engine.encode(prompt)
+
     # ---- called from asyncio ------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams,
                           request_id: str | None = None, priority: int = 0,

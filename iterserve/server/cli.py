@@ -9,7 +9,6 @@ import time
 
 from iterserve.config import ServerConfig
 from iterserve.entrypoints.args import HelpFormatter, add_config_args, add_engine_args, config_from_args, fail
-from iterserve.server.ray_cli import add_replica_args
 
 logger = logging.getLogger("iterserve.server")
 
@@ -19,7 +18,6 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     add_config_args(parser, ServerConfig, "server", defaults={"api_key": os.environ.get("ITERSERVE_API_KEY")})
     add_engine_args(parser)
-    add_replica_args(parser)
     pd = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
     pd.add_argument("--pd", default=None, help="1P1D: a prefill and a decode engine, each its own process, "
                     "joined by a KV connector")
@@ -55,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     origins = [o.strip() for o in server.allowed_origins.split(",") if o.strip()] if server.allowed_origins else None
     if config.parallel_config.data_parallel_size > 1:  # replicas on Ray Serve, whose proxy takes the port
         from iterserve.server.ray_cli import serve_replicas
-        return serve_replicas(config, server, args, name, origins)
+        return serve_replicas(config, server, name, origins)
+    if server.ray_address is not None:
+        fail("--ray-address places replicas on a Ray cluster: it needs --data-parallel-size > 1")
     sock = bind(server.host, server.port)
     import uvicorn
 

@@ -8,7 +8,7 @@ owns its own registry, so several servers in one process (tests) never collide.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.gc_collector import GCCollector
@@ -200,3 +200,62 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RelayMetrics:
+    """TTFT, ITL and e2e latency measured where a front end relays each request's outputs to its client
+    (the Ray ingress), labelled with the replica that served the request. Measured there rather than
+    taken from the replicas' own clocks, so they include what the client pays on top of the engine:
+    routing, a retry after a replica died before the first output, and the hop from the replica."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name", "replica"]
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram("iterserve:" + name, doc, labels, registry=r, buckets=_LATENCY_BUCKETS)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from the ingress taking the request to its first "
+                         "output token reaching the ingress.")
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output deltas of one sequence, "
+                        "as the ingress relays them.")
+        self.e2e = hist("e2e_request_latency_seconds", "Time from the ingress taking the request to its end.")
+        self.finished = Counter("iterserve:request_success", "Ended requests by finish reason.",
+                                ["model_name", "replica", "finished_reason"], registry=r)
+
+    def timer(self, replica: str, arrival: float) -> "RelayTimer":
+        return RelayTimer(self, replica, arrival)
+
+
+@dataclass(slots=True)
+class RelayTimer:
+    """One request's latencies, from the monotonic times its outputs reach the relay."""
+
+    metrics: RelayMetrics
+    replica: str
+    arrival: float
+    first_token: float | None = None
+    last: dict[int, float] = field(default_factory=dict)  # sequence index -> when its latest delta came
+    finish_reason: str | None = None
+    ended: bool = False
+
+    def on_output(self, out: RequestOutput, now: float) -> None:
+        if out.new_token_ids:
+            if self.first_token is None:  # the request's first token, of any of its n sequences
+                self.first_token = now
+                self.metrics.ttft.labels(self.metrics.model_name, self.replica).observe(now - self.arrival)
+            elif out.index in self.last:
+                self.metrics.itl.labels(self.metrics.model_name, self.replica).observe(now - self.last[out.index])
+            self.last[out.index] = now
+        if out.finished and self.finish_reason not in ("error", "abort"):  # a failed sequence fails the request
+            self.finish_reason = out.finish_reason or "unknown"
+
+    def on_end(self, now: float, reason: str | None = None) -> None:
+        """Once: the stream ended (`reason` overrides what the outputs said: the replica died, the client left)."""
+        if self.ended:
+            return
+        self.ended = True
+        m = self.metrics
+        m.e2e.labels(m.model_name, self.replica).observe(now - self.arrival)
+        m.finished.labels(m.model_name, self.replica, reason or self.finish_reason or "unknown").inc()

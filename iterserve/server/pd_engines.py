@@ -85,6 +85,13 @@ def _command(side, cmd: tuple, outbox, role: str) -> None:
 class PDEngines:
     """The front of one prefill and one decode process. Not thread-safe: one caller drives it."""
 
+    # The model's facts the server reads through its AsyncEngine (an EngineClient, server/engine_client.py);
+    # serving_engines sets them from the model's files, and build_app names any that is missing.
+    tokenizer: object | None
+    vocab_size: int | None
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
     def __init__(self, config_kwargs, transport: str = "shm", port: int = 29561,
                  start_timeout_s: float = 180.0) -> None:
         """config_kwargs: an EngineConfig or its keyword arguments, for both engines."""

@@ -1,6 +1,6 @@
 """`iterserve serve --data-parallel-size N`: N engine replicas behind one OpenAI endpoint, on Ray Serve.
 
-    Ray Serve proxy ── Ingress (the FastAPI app of server/app.py, over a ReplicaClient)
+    Ray Serve proxy ── Ingress (the FastAPI app of server/app.py, over a ReplicaClient: an EngineClient)
                           │ deployment handle + IterserveRequestRouter (our policy, router/policy.py)
                           ├── EngineReplica 0: AsyncEngine ── Engine
                           └── EngineReplica 1: ...
@@ -9,8 +9,10 @@ The ingress tokenizes (the router needs the prompt's token ids to hash its block
 ids to Ray's router, which picks a replica with our policy; the replica streams RequestOutputs back.
 Each replica reports its EngineStats through Ray's routing-stats hook; the router reads them
 (and its own count of requests in flight) to balance load, and /health and /metrics show them per
-replica. Ray restarts a replica whose process dies: a request that had not streamed anything yet is
-retried on another replica, one that had ends with an engine_dead error; others are untouched.
+replica. The ingress relays every output, so it measures TTFT, ITL and e2e latency itself, where the
+client sees them (server/metrics.py RelayMetrics). Ray restarts a replica whose process dies: a request
+that had not streamed anything yet is retried on another replica, one that had ends with an engine_dead
+error; others are untouched.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ import socket
 import time
 from typing import AsyncIterator, Callable
 
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
@@ -30,6 +32,7 @@ from iterserve.engine import Engine
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.async_engine import AsyncEngine, EngineDeadError
+from iterserve.server.metrics import RelayMetrics, RelayTimer
 
 logger = logging.getLogger("iterserve.server")
 
@@ -50,19 +53,20 @@ class EngineReplica:
         self.stats = self.async_engine.engine.stats
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str, priority: int,
-                       cache_salt: str | None) -> AsyncIterator[RequestOutput | None]:
-        """Yields None once the engine accepted the request (bad input raises before), then its outputs."""
+                       cache_salt: str | None) -> AsyncIterator[RequestOutput | str]:
+        """Yields this replica's id once the engine accepted the request (bad input raises before), then
+        its outputs."""
         stream = await self.async_engine.add_request(prompt, params, request_id=request_id, priority=priority,
                                                      cache_salt=cache_salt)
         self.num_requests += 1
-        yield None
+        yield self.replica_id
         async for out in stream:
             yield out
 
     def info(self) -> dict:
-        engine = self.async_engine.engine
-        return {"tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                "pid": os.getpid(), "replica": self.replica_id}
+        e = self.async_engine
+        return {"tokenizer": e.tokenizer, "max_model_len": e.max_model_len, "vocab_size": e.vocab_size,
+                "eos_token_ids": e.eos_token_ids, "pid": os.getpid(), "replica": self.replica_id}
 
     def record_routing_stats(self) -> dict:
         """Ray's routing-stats hook, polled by the controller; our router reads the result."""
@@ -79,12 +83,16 @@ class EngineReplica:
 
 
 class ReplicaStream:
-    """One request's outputs from a replica; the same surface as AsyncEngine's RequestStream."""
+    """One request's outputs from a replica (a ClientStream, as AsyncEngine's RequestStream is), timed
+    as they pass. `finished` is the app's flag too (it sets it before aborting); `ended` is the call's
+    own: whether the replica has sent the last output, so there is nothing left to cancel."""
 
-    def __init__(self, request_id: str, engine: "ReplicaClient", response) -> None:
-        self.request_id, self.engine, self.response = request_id, engine, response
+    def __init__(self, request_id: str, engine: "ReplicaClient", response, timer: RelayTimer) -> None:
+        self.request_id, self.engine, self.response, self.timer = request_id, engine, response, timer
         self.finished = False
+        self.ended = False
         self.num_outputs = 0
+        self.unfinished: int | None = None  # sequences still running, once the first one finished (n > 1)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -93,40 +101,51 @@ class ReplicaStream:
         try:
             async for out in self.response:
                 self.num_outputs += 1
+                self._observe(out)
                 yield out
-            self.finished = True
+            self._end()
         except _REPLICA_GONE as e:
-            self.finished = True
+            self._end("error")
             raise EngineDeadError(f"the replica serving this request died after {self.num_outputs} outputs "
                                   f"({type(e).__name__}); retry the request") from e
         finally:
             self.close()
 
+    def _observe(self, out: RequestOutput) -> None:
+        self.timer.on_output(out, time.monotonic())
+        if out.finished:
+            self.unfinished = (out.n if self.unfinished is None else self.unfinished) - 1
+            if self.unfinished == 0:  # before the last yield: a consumer may stop after it
+                self._end()
+
+    def _end(self, reason: str | None = None) -> None:
+        self.finished = self.ended = True
+        self.timer.on_end(time.monotonic(), reason)
+
     def close(self) -> None:
         """Ends the call; one still running is cancelled, which reaches the replica and aborts the request."""
         self.engine.streams.pop(self.request_id, None)
-        if not self.finished:
-            self.finished = True
+        self.finished = True
+        if not self.ended:
+            self._end("abort")
             self.response.cancel()
 
 
-class _EngineInfo:
-    """What build_app reads from `async_engine.engine`: the tokenizer, the context length, and the
-    engine's own prompt check (so bad token ids are a 400 before any replica is asked)."""
-
-    encode = Engine.encode  # reads only .tokenizer and .vocab_size
-
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int | None) -> None:
-        self.tokenizer, self.max_model_len, self.vocab_size = tokenizer, max_model_len, vocab_size
-
-
 class ReplicaClient:
-    """Stands in for an AsyncEngine in build_app: requests go to the replicas through the handle."""
+    """The ingress's engine client (server/engine_client.py): requests go to the replicas through the
+    deployment handle; the model's facts came from one replica at start-up."""
 
-    def __init__(self, handle, tokenizer, max_model_len: int, vocab_size: int | None = None) -> None:
+    # The engine's own prompt check (it reads only .tokenizer and .vocab_size): bad ids are a 400 here,
+    # before any replica is asked.
+    encode = Engine.encode
+
+    def __init__(self, handle, tokenizer, max_model_len: int, vocab_size: int | None = None,
+                 eos_token_ids: frozenset[int] = frozenset(), latencies: RelayMetrics | None = None) -> None:
         self.handle = handle.options(stream=True)
-        self.engine = _EngineInfo(tokenizer, max_model_len, vocab_size)
-        self.on_step = None  # build_app sets it; there is no engine in this process
+        self.tokenizer, self.max_model_len, self.vocab_size = tokenizer, max_model_len, vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.latencies = latencies or RelayMetrics("")
+        self.on_step = None  # never called: the engines step in the replicas, which report through Ray
         self.draining = False  # Ray Serve drains replicas itself on shutdown
         self.streams: dict[str, ReplicaStream] = {}  # open calls, by request id (abort cancels them)
 
@@ -135,26 +154,29 @@ class ReplicaClient:
         return None if any(s.get("alive") for s in replica_stats().values()) else EngineDeadError("no live replica")
 
     def start(self) -> None:
-        pass
+        """Nothing to start here: Ray Serve started the replicas before it built this app."""
 
     def shutdown(self) -> None:
-        pass
+        """The ingress is going away: cancel the calls still open (each aborts its request in its replica)."""
+        for stream in list(self.streams.values()):
+            stream.close()
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                           priority: int = 0, cache_salt: str | None = None) -> ReplicaStream:
-        tokenizer = self.engine.tokenizer
-        if isinstance(prompt, str) and prompt and tokenizer is not None:  # the router hashes token ids
-            prompt = list(tokenizer.encode(prompt))
+        arrival = time.monotonic()
+        if isinstance(prompt, str) and prompt and self.tokenizer is not None:  # the router hashes token ids
+            prompt = list(self.tokenizer.encode(prompt))
         error = None
         for _ in range(MAX_DISPATCH_ATTEMPTS):
             response = self.handle.generate.remote(prompt, params, request_id, priority, cache_salt)
             try:
-                await response.__anext__()  # None: accepted; bad input raises the engine's own error here
+                replica = await response.__anext__()  # accepted; bad input raises the engine's own error here
             except _REPLICA_GONE as e:  # nothing was streamed: safe to send it again
                 logger.warning("request %s: its replica died before it started (%s); retrying", request_id, e)
                 error = e
                 continue
-            self.streams[request_id] = stream = ReplicaStream(request_id, self, response)
+            timer = self.latencies.timer(replica, arrival)
+            self.streams[request_id] = stream = ReplicaStream(request_id, self, response, timer)
             return stream
         raise EngineDeadError(f"no replica could take the request: {error!r}")
 
@@ -183,11 +205,12 @@ _GAUGES = {"num_running": ("num_requests_running", "Requests in the running batc
 
 
 class ClusterMetrics:
-    """/metrics for the ingress: the engine gauges with a `replica` label, from the replicas' reports."""
+    """/metrics for the ingress: the engine gauges with a `replica` label, from the replicas' reports, and
+    the latencies the ingress measures on the streams it relays (`latencies`, fed by the ReplicaClient)."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.on_step = None  # build_app hands it to the ReplicaClient, which never calls it
+        self.latencies = RelayMetrics(model_name)
 
     def render(self) -> bytes:
         registry = CollectorRegistry()
@@ -200,7 +223,7 @@ class ClusterMetrics:
             for key, gauge in gauges.items():
                 if key in stats:
                     gauge.labels(self.model_name, replica).set(stats[key])
-        return generate_latest(registry)
+        return generate_latest(self.latencies.registry) + generate_latest(registry)
 
 
 class Ingress:
@@ -215,10 +238,11 @@ class Ingress:
     async def __serve_build_asgi_app__(self):
         from iterserve.server.app import build_app
         info = await self.engines.info.remote()
-        client = ReplicaClient(self.engines, info["tokenizer"], info["max_model_len"], info["vocab_size"])
         metrics = ClusterMetrics(self.app_kwargs["served_model_name"])
-        app = build_app(client, metrics=metrics, **self.app_kwargs)
-        app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in ("/health", "/metrics")]
+        client = ReplicaClient(self.engines, info["tokenizer"], info["max_model_len"], info["vocab_size"],
+                               info["eos_token_ids"], metrics.latencies)
+        app = build_app(client, metrics=metrics, **self.app_kwargs)  # its /metrics renders ClusterMetrics
+        app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/health"]
 
         @app.get("/health")
         async def health():
@@ -227,16 +251,13 @@ class Ingress:
             status = 200 if any(s.get("alive") for s in stats.values()) else 503
             return JSONResponse({"replicas": stats}, status_code=status)
 
-        @app.get("/metrics")
-        async def prometheus():
-            return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
         return app
 
 
 def build_ray_app(build_engine: Callable[[], object], num_replicas: int, served_model_name: str, *,
                   policy: str = "prefix-affinity", block_size: int = 16, num_cpus_per_replica: float = 1.0,
-                  request_timeout: float | None = None, stats_period_s: float = 0.5, **app_kwargs):
+                  num_gpus_per_replica: int = 0, request_timeout: float | None = None, stats_period_s: float = 0.5,
+                  **app_kwargs):
     """The Serve application (bind graph): `serve.run(build_ray_app(...))` starts it."""
     if num_replicas < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {num_replicas}")
@@ -244,7 +265,8 @@ def build_ray_app(build_engine: Callable[[], object], num_replicas: int, served_
                                  request_router_kwargs={"policy": policy, "block_size": block_size},
                                  request_routing_stats_period_s=stats_period_s)
     replica = serve.deployment(EngineReplica, name="EngineReplica", num_replicas=num_replicas,
-                               ray_actor_options={"num_cpus": num_cpus_per_replica},
+                               ray_actor_options={"num_cpus": num_cpus_per_replica,
+                                                  "num_gpus": num_gpus_per_replica},
                                max_ongoing_requests=100_000,  # the engine queues (and rejects) by itself
                                request_router_config=router, health_check_period_s=2, health_check_timeout_s=30)
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", ray_actor_options={"num_cpus": 0})
@@ -260,6 +282,7 @@ def start_ray(address: str | None, num_cpus: float | None = None) -> None:
         ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False,
                  log_to_driver=False, ignore_reinit_error=True)
     except Exception as e:  # noqa: BLE001 - Ray raises many kinds; the user needs one line
+        ray.shutdown()  # whatever part of a local Ray did start
         raise ValueError(f"cannot start Ray{f' at {address}' if address else ''}: {e}") from None
 
 

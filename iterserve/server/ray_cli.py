@@ -1,39 +1,76 @@
-"""`iterserve serve --data-parallel-size N`: the flags and the start-up of the Ray Serve app.
+"""`iterserve serve --data-parallel-size N`: the start-up of the Ray Serve app.
 
-Kept apart from ray_app.py so that `iterserve serve --help` (and the one-process server) never
-import Ray; Ray is an optional extra (`pip install 'iterserve[serve]'`).
+Its flags (--ray-address, --num-cpus-per-replica, --router) are ServerConfig fields, generated and
+validated with the others. Kept apart from ray_app.py so that `iterserve serve --help` (and the
+one-process server) never import Ray; Ray is an optional extra (`pip install 'iterserve[serve]'`).
+
+Start-up refuses, in one line and with nothing left running: what the model rules out (a
+--tensor-parallel-size that does not divide its heads), checked before Ray starts; more devices
+than Ray has; a Ray that cannot start or be reached; an app whose replicas fail to start.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import logging
+import os
 import signal
 import time
 
-from iterserve.router.policy import POLICIES
-
 logger = logging.getLogger("iterserve.server")
-
-
-def add_replica_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("replicas on Ray Serve (with --data-parallel-size > 1)")
-    g.add_argument("--ray-address", default=None,
-                   help="join this running Ray cluster (e.g. 10.0.0.1:6379 or auto); default: start a local Ray")
-    g.add_argument("--num-cpus-per-replica", type=float, default=1.0,
-                   help="CPUs Ray reserves for each engine replica (its placement, not a thread count)")
-    g.add_argument("--router", choices=POLICIES, default="prefix-affinity", help="how requests pick a replica")
 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def serve_replicas(config, server, args: argparse.Namespace, name: str, origins: list[str] | None) -> int:
-    """Start Ray (or join it), deploy ingress + N replicas, serve until interrupted; then tear it all down."""
+def check_model(config) -> None:
+    """What the model's shapes rule out, read from its config before Ray (or any replica) starts."""
+    from iterserve.model.loader import default_model_path, load_model_arch
+    from iterserve.model.sharding import check_tp_size
+    check_tp_size(load_model_arch(config.model_config.model or default_model_path()),
+                  config.parallel_config.tensor_parallel_size)
+
+
+def replica_gpus(device: str, tensor_parallel_size: int, num_replicas: int, gpus: float) -> int:
+    """GPUs each replica reserves from Ray: one per TP rank on CUDA, else none. Ray hides every GPU from
+    an actor that reserves none, so an engine left on `auto` would quietly run on the CPU there."""
+    on_cuda = device.startswith("cuda") or (device == "auto" and gpus > 0)
+    if not on_cuda:
+        return 0
+    needed = num_replicas * tensor_parallel_size
+    if needed > gpus:
+        raise ValueError(f"{num_replicas} replicas x tensor_parallel_size {tensor_parallel_size} need {needed} "
+                         f"GPUs; Ray has {gpus:g} (--device cpu runs the replicas on CPUs)")
+    return tensor_parallel_size
+
+
+def check_cpus(num_replicas: int, num_cpus_per_replica: float, cpus: float) -> None:
+    """A local Ray never grows: replicas it cannot place would wait for CPUs forever. (A joined cluster
+    may autoscale, so it is not checked there.)"""
+    needed = num_replicas * num_cpus_per_replica
+    if needed > cpus:
+        raise ValueError(f"{num_replicas} replicas x num_cpus_per_replica {num_cpus_per_replica:g} need "
+                         f"{needed:g} CPUs; this machine's Ray has {cpus:g}")
+
+
+def _local_gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _local_cpus() -> float:
+    """The CPUs a local Ray will find here (it reads cgroup quotas too)."""
+    try:
+        from ray._private.utils import get_num_cpus  # private: fall back to the plain count if it moves
+    except ImportError:
+        return float(os.cpu_count() or 1)
+    return get_num_cpus()
+
+
+def serve_replicas(config, server, name: str, origins: list[str] | None) -> int:
+    """Start Ray (or join it), deploy ingress + N replicas, serve until interrupted; then tear it all down.
+    A refusal is printed after the teardown, so it is the last line the user sees."""
     from iterserve.entrypoints.args import fail
-    if args.num_cpus_per_replica <= 0:
-        fail(f"--num-cpus-per-replica must be > 0, got {args.num_cpus_per_replica}")
     try:
         import ray
         from ray import serve
@@ -41,30 +78,47 @@ def serve_replicas(config, server, args: argparse.Namespace, name: str, origins:
         from iterserve.server import ray_app
     except ImportError as e:
         fail(f"--data-parallel-size needs Ray Serve ({e.name} is missing): pip install 'iterserve[serve]'")
-    from iterserve.engine import Engine
-    n = config.parallel_config.data_parallel_size
+    n, tp = config.parallel_config.data_parallel_size, config.parallel_config.tensor_parallel_size
+    device, local = config.model_config.device, server.ray_address is None
     try:
-        ray_app.start_ray(args.ray_address)
-    except ValueError as e:
-        fail(str(e))
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` tears the app down like Ctrl-C does
+        check_model(config)
+        if local:  # a local Ray finds this machine's CPUs and GPUs: refused before it starts
+            replica_gpus(device, tp, n, _local_gpus())
+            check_cpus(n, server.num_cpus_per_replica, _local_cpus())
+        ray_app.start_ray(server.ray_address)
+    except (ValueError, OSError) as e:
+        fail(str(e).splitlines()[0])
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` tears the app down like Ctrl-C does
+    serving, error = False, None  # a joined cluster may run others' Serve apps: shut Serve down only if ours
     try:
+        gpus = replica_gpus(device, tp, n, ray.cluster_resources().get("GPU", 0))
+        serving = True
         serve.start(http_options={"host": server.host, "port": server.port})
-        app = ray_app.build_ray_app(functools.partial(Engine, config), n, name, policy=args.router,
-                                    block_size=config.cache_config.block_size,
-                                    num_cpus_per_replica=args.num_cpus_per_replica,
-                                    request_timeout=server.request_timeout, api_key=server.api_key,
-                                    max_request_bytes=server.max_request_bytes, allowed_origins=origins)
-        serve.run(app, blocking=False)
+        serve.run(_app(config, server, name, origins, gpus), blocking=False)
         ray_app.wait_until_ready(600)
         logger.info("serving %s on http://%s:%d/v1: %d replicas, %s routing", name, server.host, server.port, n,
-                    args.router)
+                    server.router)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        return 0
+        pass
     except (ValueError, RuntimeError) as e:
-        fail(str(e).splitlines()[0])
+        error = str(e).splitlines()[0]
     finally:
-        serve.shutdown()
+        if serving:
+            serve.shutdown()
         ray.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+    if error is not None:
+        fail(error)
+    return 0
+
+
+def _app(config, server, name: str, origins: list[str] | None, gpus: int):
+    from iterserve.engine import Engine
+    from iterserve.server import ray_app
+    return ray_app.build_ray_app(functools.partial(Engine, config), config.parallel_config.data_parallel_size, name,
+                                 policy=server.router, block_size=config.cache_config.block_size,
+                                 num_cpus_per_replica=server.num_cpus_per_replica, num_gpus_per_replica=gpus,
+                                 request_timeout=server.request_timeout, api_key=server.api_key,
+                                 max_request_bytes=server.max_request_bytes, allowed_origins=origins)

@@ -1,5 +1,6 @@
 """Two engine replicas on a local Ray Serve behind our router: the openai client, both replicas used,
-and a replica killed mid-request (only its requests fail; Ray restarts it and the app serves again)."""
+a replica killed mid-request (only its requests fail; Ray restarts it and the app serves again), and
+the latencies the ingress measures on /metrics."""
 from __future__ import annotations
 
 import os
@@ -121,3 +122,38 @@ def test_bad_input_is_a_400_from_the_replica(cluster):
     r = httpx.post(f"{cluster}/v1/completions", json={"model": MODEL, "prompt": [10**9], "max_tokens": 2}, timeout=30)
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
 
+
+
+def latency_counts(url: str) -> dict[tuple[str, str], float]:
+    """(sample name, replica) -> value of the ingress's latency histograms' _count and success counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    wanted = ("iterserve:time_to_first_token_seconds_count", "iterserve:inter_token_latency_seconds_count",
+              "iterserve:e2e_request_latency_seconds_count", "iterserve:request_success_total")
+    return {(s.name, s.labels["replica"]): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name in wanted and s.labels.get("finished_reason") in (None, "length")}
+
+
+def test_metrics_have_the_latencies_the_ingress_measured_per_replica(cluster):
+    url = cluster
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    wait_for(lambda: len(health(url)) == 2 and all(s["alive"] for s in health(url).values()), 60,
+             "two live replicas did not report")
+    before = latency_counts(url)
+    for k in range(4):  # round-robin: two on each replica, one of each streamed
+        if k % 2:
+            list(client.completions.create(model=MODEL, prompt=[k + 2] * 3, max_tokens=3, stream=True))
+        else:
+            client.completions.create(model=MODEL, prompt=[k + 2] * 3, max_tokens=3)
+    after = latency_counts(url)
+
+    def added(name: str) -> dict[str, float]:
+        return {r: v - before.get((n, r), 0.0) for (n, r), v in after.items() if n == name}
+
+    replicas = set(health(url))
+    ttft = added("iterserve:time_to_first_token_seconds_count")
+    assert set(ttft) >= replicas and sum(ttft[r] for r in replicas) == 4 and all(ttft[r] >= 1 for r in replicas)
+    assert sum(added("iterserve:e2e_request_latency_seconds_count").values()) == 4
+    assert sum(added("iterserve:request_success_total").values()) == 4
+    # 2 gaps per 3-token request, fewer where a replica's stream sent two tokens in one delta
+    assert 1 <= sum(added("iterserve:inter_token_latency_seconds_count").values()) <= 8
