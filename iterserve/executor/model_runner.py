@@ -10,6 +10,8 @@ steps run eagerly. The KV pool is sized from the free device memory after a prof
 """
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import time
 from dataclasses import replace
@@ -24,8 +26,8 @@ from iterserve.executor.logits_processors import make_adjust
 from iterserve.executor.sampler import make_batch, prompt_logprobs, sample
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
-from iterserve.model.loader import (ModelArch, default_model_path, load_model_arch, load_tokenizer,
-                                    load_weights)
+from iterserve.model import weight_cache
+from iterserve.model.loader import ModelArch, default_model_path
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
 
@@ -82,8 +84,8 @@ class ModelRunner:
             torch.set_num_threads(mc.num_threads or os.cpu_count() or 1)
         if weights is None:
             path = mc.model or default_model_path()
-            arch, tokenizer = load_model_arch(path), load_tokenizer(path)
-            weights = load_weights(path, arch, self.dtype, self.device)
+            tokenizer = weight_cache.load_tokenizer(path)
+            arch, weights = weight_cache.load_arch_and_weights(path, self.dtype, self.device)
         assert arch is not None, "weights given without their arch"
         self.arch = cfg = arch
         self.tokenizer = tokenizer
@@ -97,6 +99,7 @@ class ModelRunner:
         self.model = LlamaModel(cfg, weights, cc.block_size, max_positions=cfg.max_position_embeddings,
                                 quantization=mc.quantization, tp=tp)
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
+        weight_cache.release_load_buffers()
         self.kv_dtype = str(self.dtype).removeprefix("torch.")
         self.kv_cache_spec = KVCacheSpec(cc.block_size, 1, 0, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                          self.kv_dtype)
@@ -207,9 +210,7 @@ class ModelRunner:
         shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         if device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=device)
-        kv = torch.empty(shape, dtype=self.dtype)
-        _advise_huge_pages(kv)  # before the first touch, so the pages come huge
-        return kv.zero_()
+        return _lazy_zeros(shape, self.dtype)
 
     # ------------------------------------------------------------ one step
 
@@ -366,6 +367,17 @@ def _prompt_logprobs(reqs: list[ScheduledRequest], nrows: list[int], logits: tor
             out[i] = prompt_logprobs(logits[offset:offset + n], targets, r.sampling_params.prompt_logprobs)
         offset += k
     return out
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in an anonymous mapping, which the kernel fills with zero pages on first touch: the KV pool
+    costs memory as its blocks are first used, not all of it at start-up (1 GiB written at every start)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    kv = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+    _advise_huge_pages(kv)  # before the first touch, so the pages come huge
+    return kv
 
 
 def _advise_huge_pages(t: torch.Tensor) -> None:

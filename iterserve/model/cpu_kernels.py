@@ -37,7 +37,8 @@ def _cpu_flags() -> bytes:
         return b""
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """~/.cache/iterserve (XDG_CACHE_HOME respected): the built kernels, and the weights (weight_cache.py)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     path = Path(base) / "iterserve"
     try:
@@ -57,7 +58,7 @@ def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
         return None
     code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # + includes
     key = hashlib.sha256(code + " ".join([cxx, *flags]).encode() + _cpu_flags()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"{source.stem}-{key}.so"
+    lib_path = cache_dir() / f"{source.stem}-{key}.so"
     if not lib_path.exists():
         tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
         try:

@@ -121,11 +121,22 @@ def load_model_arch(path: str) -> ModelArch:
     return _gguf_config(path) if _kind(path) == "gguf" else _hf_config(path)
 
 
-@functools.lru_cache(maxsize=2)
 def _gguf_reader(path: str):
-    """Parsing a GGUF header takes seconds (the vocab arrays); config, weights and template share one."""
+    """Parsing a GGUF header takes seconds (the vocab arrays); config, weights and template share one
+    while the file is unchanged (a rewritten file gets a new reader, not the old one's stale mapping)."""
+    st = os.stat(path)
+    return _gguf_reader_of(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader_of(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
     return GGUFReader(path)
+
+
+def forget_gguf_files() -> None:
+    """Drop the parsed headers (and the file mappings) once the model is built from them."""
+    _gguf_reader_of.cache_clear()
 
 
 def _gguf_fields(path: str) -> dict:

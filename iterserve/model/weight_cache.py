@@ -1,0 +1,258 @@
+"""The start-up cache of a GGUF model: what loading it computes, kept on disk so that a warm start
+reads no GGUF at all.
+
+A cold start parses the GGUF header (the vocabulary arrays), dequantizes every tensor with gguf's
+numpy code and has transformers convert the GGUF vocabulary to a fast tokenizer. All three are
+pure functions of the file, so their results are kept beside the kernels' build cache:
+
+    <XDG_CACHE_HOME or ~/.cache>/iterserve/weights/<file stem>-<path hash>-<key>/
+        model.safetensors   the dequantized float32 weights (HF names), the ModelArch in its header
+        tokenizer/          the tokenizer as transformers' save_pretrained writes it
+
+and read back with mmap: the weights are file pages until the model packs them, then unmapped.
+
+What is cached is the float weights, not the oneDNN-packed ones: torch.ops.mkldnn._reorder_linear_weight
+returns an opaque MKLDNN tensor (no storage, no data pointer) that neither torch.save nor safetensors
+can write, and packing from the mapped floats costs a fraction of dequantizing (docs/operations.md).
+So the key holds what decides those float bytes and the tokenizer: the file's size, mtime and a hash
+of its first and last MiB (hashing all of a multi-GiB file would cost what the cache saves), this
+format's version and the gguf / transformers / tokenizers versions. The CPU's flags and the compute
+dtype do not change them: the model converts and packs after reading, on whatever machine.
+
+ITERSERVE_WEIGHT_CACHE=0 turns the cache off; ITERSERVE_WEIGHT_CACHE=DIR keeps it in DIR. An entry
+that cannot be read is rebuilt with a warning; one that cannot be written leaves the start uncached.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import gc
+import hashlib
+import json
+import logging
+import os
+import shutil
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from iterserve.model import loader
+from iterserve.model.cpu_kernels import cache_dir
+from iterserve.model.loader import ModelArch
+
+logger = logging.getLogger("iterserve.model")
+
+FORMAT = 1  # bump when what an entry holds changes
+_EDGE = 1 << 20  # bytes hashed at each end of the model file
+_WEIGHTS, _TOKENIZER = "model.safetensors", "tokenizer"
+# the weights the model packs or quantizes into its own copies; it keeps every other one as given
+_PACKED_SUFFIXES = ("_proj.weight", "lm_head.weight")
+
+
+def cache_root() -> Path | None:
+    """Where entries live, or None when the cache is off or cannot be made."""
+    value = os.environ.get("ITERSERVE_WEIGHT_CACHE", "")
+    if value == "0":
+        return None
+    root = Path(value) if value else cache_dir() / "weights"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        logger.warning("weight cache off: cannot make %s (%s)", root, exc)
+        return None
+    return root
+
+
+def file_key(path: str) -> str:
+    """What the cached bytes depend on: the file (cheaply: size, mtime, both ends) and the code that reads it."""
+    st = os.stat(path)
+    versions = [_version(p) for p in ("gguf", "transformers", "tokenizers")]
+    h = hashlib.sha256(repr((FORMAT, st.st_size, st.st_mtime_ns, versions)).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(_EDGE))
+        f.seek(max(0, st.st_size - _EDGE))
+        h.update(f.read(_EDGE))
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def entry_dir(path: str) -> Path | None:
+    """This model file's entry (made on first use), or None when the file is not cached."""
+    root = cache_root()
+    if root is None or not _cacheable(path):
+        return None
+    entry = root / f"{_entry_prefix(path)}{file_key(path)}"
+    try:
+        entry.mkdir(exist_ok=True)
+    except OSError as exc:
+        logger.warning("weight cache off for %s: %s", path, exc)
+        return None
+    return entry
+
+
+def _cacheable(path: str) -> bool:
+    """GGUF files only: a Hugging Face directory's safetensors are read with mmap as they are."""
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def _entry_prefix(path: str) -> str:
+    where = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:8]
+    return f"{Path(path).stem}-{where}-"
+
+
+# ---------------------------------------------------------------- weights and arch
+
+def load_arch_and_weights(path: str, dtype: torch.dtype = torch.float32,
+                          device: str | torch.device = "cpu") -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    """loader.load_model_arch + loader.load_weights, through the cache where the file is cached.
+
+    A cold start writes the entry and then reads it back like a warm one, so the first run serves
+    exactly what every later run serves."""
+    entry = entry_dir(path)
+    if entry is None:
+        arch = loader.load_model_arch(path)
+        return arch, _own_kept(loader.load_weights(path, arch, dtype, device))
+    arch, weights = _through_entry(path, entry)
+    return arch, _own_kept({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
+
+
+def _through_entry(path: str, entry: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    """The entry's arch and mapped float32 weights, the entry written first on a miss; the loader's
+    in-memory weights where it cannot be written."""
+    file = entry / _WEIGHTS
+    cached = _read_weights(file, entry.name) if file.exists() else None
+    if cached is not None:
+        logger.info("weight cache: %s read from %s", os.path.basename(path), file)
+        return cached
+    arch = loader.load_model_arch(path)
+    weights = loader.load_weights(path, arch)
+    if not _write_weights(file, entry.name, arch, weights):
+        return arch, weights
+    logger.info("weight cache: %s dequantized into %s", os.path.basename(path), file)
+    _prune_siblings(entry)
+    del weights  # read back mapped, as every later start will
+    cached = _read_weights(file, entry.name)
+    return cached if cached is not None else (arch, loader.load_weights(path, arch))
+
+
+def _read_weights(file: Path, key: str) -> tuple[ModelArch, dict[str, torch.Tensor]] | None:
+    """The entry's arch and mapped weights; None (with a warning, the file removed) if it is not a good one."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") != key:
+                raise ValueError(f"written for key {meta.get('key')!r}, not {key!r}")
+            arch = ModelArch(**json.loads(meta["arch"]))
+            weights = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, it is rebuilt, never fatal
+        logger.warning("weight cache: %s is unreadable (%s); rebuilding it", file, exc)
+        file.unlink(missing_ok=True)
+        return None
+    return arch, weights
+
+
+def _write_weights(file: Path, key: str, arch: ModelArch, weights: dict[str, torch.Tensor]) -> bool:
+    """Written whole or not at all: a temporary file renamed into place."""
+    from safetensors.torch import save_file
+    tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+    meta = {"key": key, "format": str(FORMAT),
+            "arch": json.dumps(dataclasses.asdict(arch), default=lambda o: o.item())}  # numpy scalars from GGUF
+    try:
+        save_file({k: _owned(v) for k, v in weights.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, file)
+    except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is no reason to fail
+        logger.warning("weight cache: cannot write %s (%s); this start is not cached", file, exc)
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous tensor of its own storage (a split fused weight shares its parent's; safetensors
+    refuses to write shared storage)."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _own_kept(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors the model keeps as given (embedding, norms, biases, router) copied out of a mapped
+    file: each mapped tensor holds the whole mapping, so one kept view would keep every page the
+    packing read resident for the process's life. (Copied also where they were not mapped: at most
+    the embedding's size, once.)"""
+    return {k: v if k.endswith(_PACKED_SUFFIXES) else v.clone() for k, v in weights.items()}
+
+
+def _prune_siblings(entry: Path) -> None:
+    """Older entries of the same model path (the file changed): one entry per path stays on disk."""
+    prefix = entry.name[:-16]
+    for old in entry.parent.iterdir():
+        if old.name.startswith(prefix) and old != entry and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def load_tokenizer(path: str):
+    """loader.load_tokenizer through the cache: transformers' GGUF vocabulary conversion runs once per file."""
+    entry = entry_dir(path)
+    if entry is None:
+        return loader.load_tokenizer(path)
+    saved = entry / _TOKENIZER
+    if saved.is_dir():
+        tok = _read_tokenizer(saved)
+        if tok is not None:
+            return tok
+    tok = loader.load_tokenizer(path)
+    if not _write_tokenizer(tok, saved):
+        return tok
+    reread = _read_tokenizer(saved)
+    return reread if reread is not None else tok
+
+
+def _read_tokenizer(saved: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(saved))
+    except Exception as exc:  # noqa: BLE001 - a broken entry is rebuilt, never fatal
+        logger.warning("weight cache: the tokenizer in %s is unreadable (%s); rebuilding it", saved, exc)
+        shutil.rmtree(saved, ignore_errors=True)
+        return None
+
+
+def _write_tokenizer(tok, saved: Path) -> bool:
+    tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+    try:
+        tok.save_pretrained(str(tmp))
+        os.rename(tmp, saved)  # atomic; fails if a concurrent start got there first, whose copy is as good
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if saved.is_dir():
+            return True
+        logger.warning("weight cache: cannot write %s (%s); this start is not cached", saved, exc)
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- after loading
+
+def release_load_buffers() -> None:
+    """Hand back what loading left behind once the model holds its packed weights: the GGUF reader
+    (its mapping and the parsed vocabulary), cycles, and the heap pages the freed float weights held
+    (glibc keeps freed chunks below the heap's top mapped until malloc_trim)."""
+    loader.forget_gguf_files()
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

@@ -1,0 +1,28 @@
+"""The CPU KV pool is zeros whose memory is committed as its blocks are first written, not at start-up."""
+from __future__ import annotations
+
+import torch
+
+from iterserve.executor.model_runner import _lazy_zeros
+
+MiB = 1 << 20
+
+
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_the_pool_is_zeros_that_cost_nothing_until_written():
+    before = rss()
+    kv = _lazy_zeros((2, 2, 2048, 16, 4, 64), torch.float32)  # 128 MiB
+    assert kv.shape == (2, 2, 2048, 16, 4, 64) and kv.dtype == torch.float32 and kv.is_contiguous()
+    assert rss() - before < 16 * MiB
+    kv[0, 0, :64] = 1.0  # 64 blocks of one layer's K: 1 MiB
+    assert rss() - before < 24 * MiB
+    assert kv[0, 0, :64].min() == 1.0 and kv[1, 1, -1].abs().max() == 0 and kv[0, 1, 100].abs().max() == 0
+
+
+def test_an_empty_pool_is_allowed():  # no swap pool with recompute preemption
+    kv = _lazy_zeros((2, 2, 0, 16, 4, 64), torch.bfloat16)
+    assert kv.shape == (2, 2, 0, 16, 4, 64) and kv.dtype == torch.bfloat16
