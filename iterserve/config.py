@@ -122,6 +122,18 @@ class ParallelConfig:
 
 
 @pydantic_dataclass(config=_STRICT)
+class SpeculativeConfig:
+    """Speculative decoding: prompt-lookup (n-gram) drafts verified by the model (docs/performance.md)."""
+
+    speculative_method: Literal["ngram"] | None = _help(
+        "ngram: draft the tokens that followed the latest earlier occurrence of the sequence's last n tokens "
+        "(greedy requests without logprobs, penalties, bias or a grammar); default: off", default=None)
+    num_speculative_tokens: int = _help("most draft tokens per request per step", default=4, ge=1, le=64)
+    prompt_lookup_max: int = _help("longest n-gram looked up", default=4, ge=1, le=64)
+    prompt_lookup_min: int = _help("shortest n-gram looked up", default=2, ge=1, le=64)
+
+
+@pydantic_dataclass(config=_STRICT)
 class ServerConfig:
     """The HTTP front end (`iterserve serve`); not part of the engine."""
 
@@ -149,7 +161,8 @@ class ServerConfig:
 
 
 SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
-            "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig}
+            "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig,
+            "speculative_config": SpeculativeConfig}
 _SECTION_OF = {f.name: section for section, cls in SECTIONS.items() for f in fields(cls)}
 FIELD_NAMES = tuple(_SECTION_OF)  # every setting's flat name
 
@@ -171,12 +184,14 @@ class EngineConfig:
     router: RouterPolicy = _help("how requests pick a replica (with --data-parallel-size > 1)",
                                  default="prefix-affinity")
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __init__(self, model_config: ModelConfig | None = None, cache_config: CacheConfig | None = None,
                  scheduler_config: SchedulerConfig | None = None, parallel_config: ParallelConfig | None = None,
-                 **flat) -> None:
+                 speculative_config: SpeculativeConfig | None = None, **flat) -> None:
         given = {"model_config": model_config, "cache_config": cache_config,
-                 "scheduler_config": scheduler_config, "parallel_config": parallel_config}
+                 "scheduler_config": scheduler_config, "parallel_config": parallel_config,
+                 "speculative_config": speculative_config}
         unknown = sorted(set(flat) - set(_SECTION_OF))
         if unknown:
             raise ValueError(f"unknown engine setting(s) {', '.join(unknown)}; known: {', '.join(sorted(_SECTION_OF))}")
@@ -189,6 +204,10 @@ class EngineConfig:
         self._check_across_sections()
 
     def _check_across_sections(self) -> None:
+        spec = self.speculative_config
+        if spec.prompt_lookup_min > spec.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min {spec.prompt_lookup_min} exceeds prompt_lookup_max "
+                             f"{spec.prompt_lookup_max}")
         if self.model_config.max_model_len is not None and self.cache_config.num_kv_blocks is not None:
             pool = self.cache_config.num_kv_blocks * self.cache_config.block_size
             if self.model_config.max_model_len > pool:

@@ -15,6 +15,7 @@ from typing import Callable
 
 from iterserve.config import EngineConfig
 from iterserve.engine.detokenizer import Detokenizer
+from iterserve.engine.spec_decode import NgramProposer, draftable
 from iterserve.engine.stats import EngineStats
 from iterserve.executor.base import Executor, ExecutorDeadError, check_executor
 from iterserve.kv_transfer.connector import KVTransfer
@@ -46,6 +47,22 @@ def make_executor(config: EngineConfig) -> Executor:
     return ModelRunner(config)
 
 
+def make_proposer(config: EngineConfig) -> NgramProposer | None:
+    sc = config.speculative_config
+    if sc.speculative_method is None:
+        return None
+    return NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
+
+
+def _drop_output_after(request: Request, num_output_tokens: int) -> None:
+    """Forget output tokens past a stop (a speculative step accepted them in one go)."""
+    extra = request.num_output_tokens - num_output_tokens
+    if extra > 0:
+        del request.output_token_ids[num_output_tokens:]
+        del request.token_ids[len(request.token_ids) - extra:]
+        del request.times.token_times[len(request.times.token_times) - extra:]
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, executor: Executor | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -73,6 +90,7 @@ class Engine:
         self.step_records: deque[StepRecord] = deque(maxlen=200_000)
         self.num_steps = 0
         self.num_kv_transfers_recomputed = 0  # P/D decode side: prompts recomputed after a failed transfer
+        self.proposer = make_proposer(self.config)
 
     @property
     def max_model_len(self) -> int:
@@ -84,7 +102,8 @@ class Engine:
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped), kv.usage, kv.num_blocks,
                            kv.pool.num_free_blocks, s.num_preemptions, kv.num_prefix_queries, kv.num_prefix_hits,
                            self.num_steps, s.max_model_len, self.step_records[-1] if self.step_records else None,
-                           self.num_kv_transfers_recomputed)
+                           self.num_kv_transfers_recomputed, num_spec_drafts=s.num_drafts,
+                           num_spec_draft_tokens=s.num_draft_tokens, num_spec_accepted_tokens=s.num_accepted_tokens)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -224,6 +243,8 @@ class Engine:
         outputs = []
         for request in self.scheduler.update(plan, result):
             outputs.append(self._output(request, logprobs.get(request.request_id)))
+            if self.proposer is not None and not request.finished:
+                self._propose(request)
         self.num_steps += 1
         self.step_records.append(self._record(plan, start))
         return outputs
@@ -236,12 +257,38 @@ class Engine:
         if logprobs is not None:
             state.logprobs.append(logprobs)
         if state.detokenizer is not None:
-            stop = state.detokenizer.add(request.token_ids[-1],
-                                         request.num_output_tokens >= request.sampling_params.min_tokens)
-            if stop is not None and not request.finished:
-                request.stop_reason = stop
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            self._detokenize(request, state.detokenizer, state.num_tokens_sent)
         return self._emit(request, state)
+
+    def _detokenize(self, request: Request, detokenizer: Detokenizer, first: int) -> None:
+        """Feed the step's new tokens (several after accepted drafts) and stop at a stop string exactly
+        where one-token decoding would: the tokens after it are dropped."""
+        outputs, min_tokens = request.output_token_ids, request.sampling_params.min_tokens
+        for j in range(first, len(outputs)):
+            stop = detokenizer.add(outputs[j], j + 1 >= min_tokens)
+            if stop is None:
+                continue
+            if j + 1 == len(outputs) and request.finished:
+                return  # stopped at this very token already (EOS, max_tokens): that reason stands
+            _drop_output_after(request, j + 1)
+            request.stop_reason = stop
+            if request.finished:  # ended later in the accepted run (max_tokens); the stop string came first
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            return
+
+    def _propose(self, request: Request) -> None:
+        """Drafts for the request's next step, never past max_tokens or the context (each accepted draft
+        and the model's own token are output tokens)."""
+        params = request.sampling_params
+        if not draftable(params, request.num_output_tokens):
+            return
+        room = min(params.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+        drafts = self.proposer.propose(request.token_ids, room)
+        if drafts:
+            self.scheduler.set_drafts(request, drafts)
+
 
     def _emit(self, request: Request, state: _TextState, error: str | None = None) -> RequestOutput:
         finished = request.finished
@@ -297,7 +344,7 @@ class Engine:
         for s in plan.scheduled:
             if s.is_padding:
                 continue
-            if s.output_len > 0 and len(s.token_ids) == 1:
+            if s.output_len > 0 and len(s.token_ids) - s.num_draft_tokens == 1:
                 decode.append(s.request_id)
             else:
                 prefill.append(s.request_id)

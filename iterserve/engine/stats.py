@@ -22,6 +22,21 @@ class EngineStats:
     max_model_len: int
     last_step: StepRecord | None  # the latest step's record (batch, tokens, timing)
     num_kv_transfers_recomputed: int = 0  # P/D decode side: handed-off prompts recomputed (transfer failed)
+    # speculative decoding (engine/spec_decode.py), since start: requests' steps that carried drafts,
+    # the drafts verified, and of those the ones the model accepted
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / verified drafts; None before any draft."""
+        return self.num_spec_accepted_tokens / self.num_spec_draft_tokens if self.num_spec_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_len(self) -> float | None:
+        """Tokens a drafted step gives a request on average: its accepted drafts plus the model's own."""
+        return 1 + self.num_spec_accepted_tokens / self.num_spec_drafts if self.num_spec_drafts else None
 
     @property
     def num_queued(self) -> int:

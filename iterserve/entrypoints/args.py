@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from iterserve.config import FIELD_NAMES, SECTIONS, EngineConfig, format_validation_error, parse_bytes
 
 _TITLES = {"model_config": "model", "cache_config": "KV cache", "scheduler_config": "scheduler",
-           "parallel_config": "parallel"}
+           "parallel_config": "parallel", "speculative_config": "speculative decoding"}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

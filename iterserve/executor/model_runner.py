@@ -226,8 +226,8 @@ class ModelRunner:
         with torch.inference_mode():
             inputs = self._prepare(plan)
             logits = self._run_model(*inputs)
-            sampled, logprobs, prompt_lps = self._sample(plan, logits)
-        return StepResult(sampled=sampled, logprobs=logprobs, prompt_logprobs=prompt_lps,
+            sampled, logprobs, prompt_lps, accepted = self._sample(plan, logits)
+        return StepResult(sampled=sampled, logprobs=logprobs, accepted_drafts=accepted, prompt_logprobs=prompt_lps,
                           step_time=time.perf_counter() - t0)
 
     def _run_model(self, ids, pos, kv_cache, md: AttentionMetadata, logits_indices) -> torch.Tensor:
@@ -286,7 +286,8 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev, torch.int32), max_query_len=max(q_lens),
             max_seq_len=max(seq_lens), query_lens_list=q_lens, seq_lens_list=seq_lens)
         # logits for every request's last token: padding seats pay for theirs too, as a padded batch would;
-        # a request asking for prompt logprobs gets a row for each token of its chunk
+        # a request asking for prompt logprobs gets a row for each token of its chunk, one with drafts a row
+        # for its own last token and each draft
         nrows = _logits_rows(reqs)
         ends = starts[1:]
         rows = ends - 1 if nrows is None else np.concatenate([np.arange(e - k, e) for e, k in zip(ends, nrows)])
@@ -294,30 +295,47 @@ class ModelRunner:
         return (torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), self.kv_cache, md, logits_indices)
 
     def _sample(self, plan: SchedulerOutput, logits: torch.Tensor):
-        prompt_lps, nrows = None, _logits_rows(plan.scheduled)
-        if nrows is not None:  # keep each request's last row for sampling
-            prompt_lps = _prompt_logprobs(plan.scheduled, nrows, logits)
-            logits = logits[torch.from_numpy(np.cumsum(nrows) - 1).to(logits.device)]
-        rows = [i for i, r in enumerate(plan.scheduled) if r.sample and not r.is_padding]
-        sampled = [-1] * len(plan.scheduled)
+        """(token per request, logprobs, prompt logprobs, accepted drafts). A request with drafts samples
+        a row for its last own token and one per draft, each as a one-token step would (drafted requests
+        are greedy and position-free: engine/spec_decode.py), and keeps the drafts its rows agree with."""
+        scheduled = plan.scheduled
+        prompt_lps, nrows = None, _logits_rows(scheduled)
+        if nrows is not None:  # keep each request's sampling rows: its last one, or 1 + its drafts
+            prompt_lps = _prompt_logprobs(scheduled, nrows, logits)
+            logits = logits[torch.from_numpy(_sampling_rows(scheduled, nrows)).to(logits.device)]
+        rows = [i for i, r in enumerate(scheduled) if r.sample and not r.is_padding]
+        sampled = [-1] * len(scheduled)
         if not rows:
-            return sampled, None, prompt_lps
-        reqs = [plan.scheduled[i] for i in rows]
+            return sampled, None, prompt_lps, None
+        widths = [r.num_draft_tokens + 1 for r in scheduled]
+        reqs = [scheduled[i] for i in rows for _ in range(widths[i])]
+        tokens, lps = self._sample_rows(reqs, logits, _row_index(widths, rows))
+        logprobs = [None] * len(scheduled) if lps is not None else None
+        accepted = [[] for _ in scheduled] if len(reqs) > len(rows) else None
+        j = 0
+        for i in rows:
+            w = widths[i]
+            a = _num_accepted(scheduled[i], tokens[j:j + w]) if w > 1 else 0
+            sampled[i] = tokens[j + a]  # the model's own token: after all drafts, or instead of the first wrong one
+            if accepted is not None:
+                accepted[i] = tokens[j:j + a]
+            if lps is not None:
+                logprobs[i] = lps[j + w - 1]  # drafted requests ask for none: w is 1 where this is set
+            j += w
+        return sampled, logprobs, prompt_lps, accepted
+
+    def _sample_rows(self, reqs: list[ScheduledRequest], logits: torch.Tensor, index: list[int] | None):
+        """Sample logits[index] (all rows if None), row k with reqs[k]'s parameters."""
         gens = [self._generator(r) for r in reqs]
         vocab = logits.shape[-1]
         allowed = self._structured(reqs)
         batch = make_batch([r.sampling_params for r in reqs], gens, vocab, logits.device,
                            make_adjust(reqs, self.eos_token_ids, vocab, logits.device, allowed))
-        sel = logits if len(rows) == len(plan.scheduled) else logits[torch.tensor(rows, device=logits.device)]
+        sel = logits if index is None else logits[torch.tensor(index, device=logits.device)]
         tokens, lps = sample(sel, batch)
         if allowed is not None:
             self._matchers.accept(reqs, tokens, allowed[1])
-        logprobs = [None] * len(plan.scheduled) if lps is not None else None
-        for j, i in enumerate(rows):
-            sampled[i] = tokens[j]
-            if lps is not None:
-                logprobs[i] = lps[j]
-        return sampled, logprobs, prompt_lps
+        return tokens, lps
 
     _matchers = None  # structured output: made on first use (xgrammar loads only then)
 
@@ -351,11 +369,36 @@ def _num_prompt_logprobs(r: ScheduledRequest) -> int:
 
 
 def _logits_rows(reqs: list[ScheduledRequest]) -> list[int] | None:
-    """Logits rows per request: its whole chunk if it wants prompt logprobs, else its last token.
-    None when every request has one row (the common case costs nothing)."""
-    if all(r.sampling_params.prompt_logprobs is None for r in reqs) or not any(map(_num_prompt_logprobs, reqs)):
+    """Logits rows per request: its whole chunk if it wants prompt logprobs, else its last token and its
+    drafts. None when every request has one row (the common case costs nothing)."""
+    drafts = any(r.num_draft_tokens for r in reqs)
+    if not drafts and (all(r.sampling_params.prompt_logprobs is None for r in reqs)
+                       or not any(map(_num_prompt_logprobs, reqs))):
         return None
-    return [len(r.token_ids) if _num_prompt_logprobs(r) else 1 for r in reqs]
+    return [len(r.token_ids) if _num_prompt_logprobs(r) else r.num_draft_tokens + 1 for r in reqs]
+
+
+def _sampling_rows(reqs: list[ScheduledRequest], nrows: list[int]) -> np.ndarray:
+    """Of the _logits_rows layout, each request's last 1 + num_draft_tokens rows."""
+    ends = np.cumsum(nrows)
+    return np.concatenate([np.arange(e - r.num_draft_tokens - 1, e) for e, r in zip(ends, reqs)])
+
+
+def _row_index(widths: list[int], rows: list[int]) -> list[int] | None:
+    """The logits rows of the sampling requests `rows` (widths: rows per request); None: all of them."""
+    if len(rows) == len(widths):
+        return None
+    starts = np.cumsum([0, *widths[:-1]]).tolist()
+    return [starts[i] + k for i in rows for k in range(widths[i])]
+
+
+def _num_accepted(r: ScheduledRequest, targets: list[int]) -> int:
+    """Greedy verification: the drafts up to the first that differs from the model's choice there."""
+    drafts = r.token_ids[len(r.token_ids) - r.num_draft_tokens:]
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return a
 
 
 def _prompt_logprobs(reqs: list[ScheduledRequest], nrows: list[int], logits: torch.Tensor):

@@ -9,7 +9,9 @@ from iterserve.sampling_params import SamplingParams
 @dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute K/V for `token_ids` at positions start_pos.. and,
-    if `sample`, sample its next token from the logits of the last one."""
+    if `sample`, sample its next token from the logits of the last one. With drafts (speculative
+    decoding), the last num_draft_tokens of token_ids are guesses: logits come from the request's
+    last own token and every draft, and the executor keeps the drafts the model agrees with."""
 
     request_id: str
     token_ids: list[int]  # the new tokens of this step (a prompt chunk, or the one decode token)
@@ -23,6 +25,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     is_padding: bool = False  # static mode: a finished request computing its seat as padding
+    num_draft_tokens: int = 0  # speculative tokens at the end of token_ids (engine/spec_decode.py)
 
     @property
     def num_new_tokens(self) -> int:
@@ -68,6 +71,9 @@ class StepResult:
 
     sampled: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    # per scheduled request with drafts: the drafts the model accepted, which come before sampled[i]
+    # (then the request's new tokens are accepted_drafts[i] + [sampled[i]]); None: no request had drafts
+    accepted_drafts: list[list[int]] | None = None
     # per scheduled request, when it asked for prompt logprobs: those of the prompt tokens at
     # positions start_pos + 1 .. of this step's chunk (each from the logits of the token before it)
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None

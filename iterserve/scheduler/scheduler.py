@@ -36,7 +36,13 @@ class Scheduler:
         self.padding: list[Request] = []  # static mode: finished requests still holding their seat
         self.requests: dict[str, Request] = {}
         self.finished_ids: list[str] = []  # since the last plan, for executors to drop state
+        # Speculative decoding (engine/spec_decode.py): draft tokens proposed for a running request's
+        # next step. They are scheduled like its own tokens and dropped after that step.
+        self.drafts: dict[str, list[int]] = {}
         self.num_preemptions = 0
+        self.num_drafts = 0  # requests' steps that carried drafts, since start
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_tokens = 0  # of those, accepted
         self._arrivals = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -47,6 +53,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def set_drafts(self, request: Request, drafts: list[int]) -> None:
+        """Draft tokens for a decoding request's next step; the model keeps those it agrees with."""
+        assert request.status == RequestStatus.RUNNING and request.num_tokens - request.num_computed_tokens == 1
+        self.drafts[request.request_id] = drafts
 
     def add_computed_request(self, request: Request, hashes: list[bytes]) -> tuple[int, list[int]] | None:
         """Admit a request whose prompt was computed elsewhere (a prefill engine) and whose first token is
@@ -84,6 +95,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.drafts.pop(request_id, None)
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         elif request.status == RequestStatus.SWAPPED:
@@ -136,7 +148,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(len(request.token_ids) - request.num_computed_tokens, budget)
+            n = self._num_running_tokens(request, budget, len(self.running) - i - 1)
             while self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(i)
                 self._preempt(victim, plan)
@@ -149,6 +161,21 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing after it fits either
         return budget
+
+    def _num_running_tokens(self, request: Request, budget: int, num_after: int) -> int:
+        """The one rule, a request's drafts counted as its tokens. The budget cuts drafts first, and drafts
+        take no block that the `num_after` requests still to schedule may need for one more token each:
+        drafts do not make a decode step preempt anyone."""
+        todo = request.num_tokens - request.num_computed_tokens
+        n = min(todo + len(self.drafts.get(request.request_id, ())), budget)
+        if n > todo:
+            computed, held = request.num_computed_tokens, len(self.kv.blocks_of(request.request_id))
+            new_blocks = cdiv(computed + n, self.block_size) - held
+            if new_blocks > max(0, cdiv(computed + todo, self.block_size) - held) and \
+                    new_blocks > self.kv.pool.num_free_blocks - num_after:
+                del self.drafts[request.request_id]
+                n = min(todo, budget)
+        return n
 
     def _schedule_swapped(self, plan: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -269,6 +296,7 @@ class Scheduler:
     def _preempt(self, request: Request, plan: SchedulerOutput) -> None:
         """Swap its KV to the host pool, or drop it to be recomputed from the front of the queue."""
         self.running.remove(request)
+        self.drafts.pop(request.request_id, None)
         request.num_preemptions += 1
         request.times.preempted.append(self.clock())
         self.num_preemptions += 1
@@ -297,38 +325,64 @@ class Scheduler:
         return swap_s < request.num_computed_tokens / spec.recompute_tokens_per_s
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
+        start, end = request.num_computed_tokens, request.num_computed_tokens + n
         tokens = request.token_ids
+        num_drafts = max(0, end - len(tokens))
+        new = tokens[start:end] if not num_drafts else tokens[start:] + self.drafts[request.request_id][:num_drafts]
         return ScheduledRequest(
-            request.request_id, tokens[start:start + n], start, self.kv.req_block_ids[request.request_id],
-            start + n == len(tokens), request.sampling_params, len(request.output_token_ids),
-            prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids)
+            request.request_id, new, start, self.kv.req_block_ids[request.request_id],
+            end >= len(tokens), request.sampling_params, len(request.output_token_ids),
+            prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
+            num_draft_tokens=num_drafts)
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
-        """Advance computed counts, append sampled tokens, stop finished requests.
+        """Advance computed counts, append sampled tokens (and accepted drafts), stop finished requests.
 
-        Returns the requests that got a new token (finished ones included)."""
+        Returns the requests that got new tokens (finished ones included)."""
         now = self.clock()
         progressed = []
-        for scheduled, token in zip(plan.scheduled, result.sampled):
+        for i, (scheduled, token) in enumerate(zip(plan.scheduled, result.sampled)):
             request = self.requests.get(scheduled.request_id)
             if request is None or scheduled.is_padding or request.status != RequestStatus.RUNNING:
                 continue  # aborted during the step, or a padding row
-            request.num_computed_tokens += scheduled.num_new_tokens
+            request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_draft_tokens
             self.kv.cache_full_blocks(request)
             if not scheduled.sample:
                 continue
+            accepted = self._accepted_drafts(scheduled, result, i)
+            # Accepted drafts' K/V are right: each equals the token appended for its position. Rejected
+            # ones' slots are overwritten by the next step's tokens.
+            request.num_computed_tokens += len(accepted)
+            self._append_tokens(request, [*accepted, token], now)
+            progressed.append(request)
+        return progressed
+
+    def _accepted_drafts(self, scheduled: ScheduledRequest, result: StepResult, i: int) -> list[int]:
+        self.drafts.pop(scheduled.request_id, None)  # proposed for this step only
+        d = scheduled.num_draft_tokens
+        if not d:
+            return []
+        accepted = result.accepted_drafts[i] if result.accepted_drafts is not None else []
+        n = len(scheduled.token_ids) - d
+        assert accepted == scheduled.token_ids[n:n + len(accepted)], "accepted tokens that were not drafted"
+        self.num_drafts += 1
+        self.num_draft_tokens += d
+        self.num_accepted_tokens += len(accepted)
+        return accepted
+
+    def _append_tokens(self, request: Request, tokens: list[int], now: float) -> None:
+        """One by one, as one-token decoding would: a stop inside an accepted run drops the rest."""
+        times = request.times
+        for token in tokens:
             request.append_token(token)
-            times = request.times
             if times.first_token is None:
                 times.first_token = now
             times.token_times.append(now)
             status = self._stop_status(request, token)
             if status is not None:
                 self.finish_request(request.request_id, status)
-            progressed.append(request)
-        return progressed
+                return
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -97,6 +97,10 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Requests' steps that carried draft tokens "
+                                   "(speculative decoding).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.finished = Counter(p + "request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self.diagnostic = Gauge(p + "diagnostic", "1 while a capacity diagnostic holds (GET /v1/diagnostics).",
@@ -109,7 +113,7 @@ class ServerMetrics:
         PlatformCollector(registry=r)
         GCCollector(registry=r)
         self.model_name = model_name
-        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0, "drafts": 0, "draft_tokens": 0, "accepted": 0}
         self._last_step = 0
         self._parents: dict[str, _Request] = {}  # n > 1 requests with sequences still running
         self._first_token_seen: set[str] = set()  # n > 1 requests whose TTFT is counted
@@ -134,6 +138,9 @@ class ServerMetrics:
         self._inc(self.preemptions, "preemptions", stats.num_preemptions)
         self._inc(self.prefix_queries, "queries", stats.num_prefix_queries)
         self._inc(self.prefix_hits, "hits", stats.num_prefix_hits)
+        self._inc(self.spec_drafts, "drafts", stats.num_spec_drafts)
+        self._inc(self.spec_draft_tokens, "draft_tokens", stats.num_spec_draft_tokens)
+        self._inc(self.spec_accepted_tokens, "accepted", stats.num_spec_accepted_tokens)
         if stats.num_steps != self._last_step and stats.last_step is not None:
             self._last_step = stats.num_steps
             rec = stats.last_step
@@ -150,8 +157,9 @@ class ServerMetrics:
                 elif out.parent_id not in self._first_token_seen:  # the request's first token, of any sequence
                     self._first_token_seen.add(out.parent_id)
                     self.ttft.observe(t.ttft)
-            elif out.new_token_ids and len(t.token_times) >= 2:
-                self.itl.observe(t.token_times[-1] - t.token_times[-2])
+            elif out.new_token_ids and len(t.token_times) > len(out.new_token_ids):
+                # the gap since the sequence's previous step (a speculative step brings several tokens at once)
+                self.itl.observe(t.token_times[-1] - t.token_times[-1 - len(out.new_token_ids)])
             if out.finished:
                 self._sequence_finished(out)
 

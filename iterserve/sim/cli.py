@@ -56,6 +56,9 @@ def _profile_dtype_bytes(args: argparse.Namespace) -> int | None:
 def make_executor(config: EngineConfig, model, hw, clock: VirtualClock | None = None) -> SimulatedExecutor:
     """The executor for one engine config: the KV pool sized like a GPU engine sizes it, unless
     the config pins num_kv_blocks."""
+    if config.speculative_config.speculative_method is not None:
+        raise ValueError("--speculative-method: the simulator does not model draft acceptance "
+                         "(its tokens come from the trace); measure speculation on the real engine")
     c, sc = config.cache_config, config.scheduler_config
     return SimulatedExecutor(model, hw, config.parallel_config.tensor_parallel_size, num_kv_blocks=c.num_kv_blocks,
                              block_size=c.block_size, gpu_memory_utilization=c.gpu_memory_utilization,
