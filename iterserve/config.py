@@ -158,6 +158,14 @@ class ServerConfig:
                                    default=None, gt=0)
     slo_tpot: float | None = _help("time-per-output-token objective in seconds, for the diagnostics (default: none)",
                                    default=None, gt=0)
+    # Replicas on Ray Serve (with --data-parallel-size > 1; docs/scale.md)
+    ray_address: Annotated[str | None, BeforeValidator(_check_ray_address)] = _help(
+        "with --data-parallel-size > 1: join this running Ray cluster (HOST:PORT, ray://HOST:PORT or auto); "
+        "default: start a local Ray", default=None)
+    num_cpus_per_replica: float = _help("CPUs Ray reserves for each engine replica (its placement, not a thread "
+                                        "count)", default=1.0, gt=0)
+    router: RouterPolicy = _help("how requests pick a replica (with --data-parallel-size > 1)",
+                                 default="prefix-affinity")
 
 
 SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,
@@ -175,14 +183,6 @@ class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Replicas on Ray Serve (with --data-parallel-size > 1; docs/scale.md)
-    ray_address: Annotated[str | None, BeforeValidator(_check_ray_address)] = _help(
-        "with --data-parallel-size > 1: join this running Ray cluster (HOST:PORT, ray://HOST:PORT or auto); "
-        "default: start a local Ray", default=None)
-    num_cpus_per_replica: float = _help("CPUs Ray reserves for each engine replica (its placement, not a thread "
-                                        "count)", default=1.0, gt=0)
-    router: RouterPolicy = _help("how requests pick a replica (with --data-parallel-size > 1)",
-                                 default="prefix-affinity")
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
