@@ -17,6 +17,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
+    # Members are singletons, so identity is Enum's own equality; hashing it in C keeps the status
+    # checks of every request in every step (`status in _FINISHED`) off Enum's Python-level __hash__.
+    __hash__ = object.__hash__
+
     @property
     def finished(self) -> bool:
         return self in _FINISHED
@@ -78,6 +82,9 @@ class Request:
     num_preemptions: int = 0
     arrival_seq: int = 0  # tie-breaker for FCFS order, set by the scheduler
     stop_reason: int | str | None = None
+    # Chained prefix hashes of its full blocks (kv/), each computed once: a full block's tokens never
+    # change after it is hashed, and prefix lookups, promises and registration all read this list.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

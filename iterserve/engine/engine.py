@@ -210,6 +210,9 @@ class Engine:
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.vocab_size
+        # the common case, plain ints in range, checked in C; anything else is checked one by one below
+        if set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and (vocab is None or max(token_ids) < vocab):
+            return token_ids
         for t in token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab is not None and t >= vocab):
                 raise ValueError(f"prompt token id {t!r} is not in the vocabulary (0..{vocab})")

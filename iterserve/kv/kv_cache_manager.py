@@ -21,12 +21,10 @@ def cdiv(a: int, b: int) -> int:
 
 def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
     """128-bit chained hash of a full block: equal hashes mean equal prefixes, not just equal blocks."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"")
-    h.update(array("q", token_ids).tobytes())
+    data = (parent or b"") + array("q", token_ids).tobytes()
     if salt:
-        h.update(salt.encode())
-    return h.digest()
+        data += salt.encode()
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 class KVCacheManager:
@@ -76,27 +74,36 @@ class KVCacheManager:
         if not self.pool.enable_caching or request.num_computed_tokens > 0 \
                 or request.sampling_params.prompt_logprobs is not None:
             return [], 0
-        bs, tokens = self.block_size, request.token_ids
+        cached = self.pool.cached
         hits: list[Block] = []
-        parent = None
-        for i in range((request.num_tokens - 1) // bs):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt)
-            block = self.pool.lookup(parent)
+        for h in self.block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block = cached.get(h)
             if block is None:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's block hashes, at least its first `num_blocks` (all full blocks); each is
+        hashed once in the request's life, however often it waits, is preempted or is looked up."""
+        hashes = request.block_hashes
+        if len(hashes) < num_blocks:
+            bs, tokens, salt = self.block_size, request.token_ids, request.cache_salt
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_blocks):
+                parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], salt)
+                hashes.append(parent)
+        return hashes
+
     def prefix_in_flight(self, request: Request, computed: list[Block]) -> int:
         """Tokens just past the cached prefix that another running request is computing right now."""
         if not self.computing:
             return 0
-        bs, tokens = self.block_size, request.token_ids
-        parent = computed[-1].block_hash if computed else None
+        bs, computing = self.block_size, self.computing
+        hashes = self.block_hashes(request, (request.num_tokens - 1) // bs)
         num_tokens = 0
         for i in range(len(computed), (request.num_tokens - 1) // bs):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt)
-            if parent not in self.computing:
+            if hashes[i] not in computing:
                 break
             num_tokens += bs
         return num_tokens
@@ -105,14 +112,14 @@ class KVCacheManager:
         """Promise the request's uncached full prompt blocks (see `computing`); called on admission."""
         if not self.pool.enable_caching:
             return
-        bs, tokens = self.block_size, request.token_ids
-        parent = computed[-1].block_hash if computed else None
+        num_blocks = request.num_prompt_tokens // self.block_size
+        hashes = self.block_hashes(request, num_blocks)
         promised = []
-        for i in range(len(computed), request.num_prompt_tokens // bs):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt)
-            if parent not in self.computing and self.pool.lookup(parent) is None:
-                self.computing[parent] = request.request_id
-                promised.append(parent)
+        for i in range(len(computed), num_blocks):
+            h = hashes[i]
+            if h not in self.computing and self.pool.lookup(h) is None:
+                self.computing[h] = request.request_id
+                promised.append(h)
         if promised:
             self.req_computing[request.request_id] = promised
 
@@ -163,11 +170,12 @@ class KVCacheManager:
         hashes = self.req_hashes.setdefault(request.request_id, [])
         blocks = self.req_blocks.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // bs, len(blocks))
+        own = self.block_hashes(request, num_full)
         for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, request.token_ids[i * bs:(i + 1) * bs], request.cache_salt))
-            self.pool.register(blocks[i], hashes[-1])
-            self.computing.pop(hashes[-1], None)
+            h = own[i]
+            hashes.append(h)
+            self.pool.register(blocks[i], h)
+            self.computing.pop(h, None)
 
     def register_hashes(self, request: Request, hashes: list[bytes]) -> None:
         """Blocks filled from outside (disaggregated prefill): adopt the sender's hashes of the full
@@ -178,6 +186,8 @@ class KVCacheManager:
         blocks = self.req_blocks[rid]
         assert len(hashes) <= min(len(blocks), request.num_computed_tokens // self.block_size), (rid, len(hashes))
         self.req_hashes[rid] = list(hashes)
+        if request.block_hashes[:len(hashes)] != hashes:
+            request.block_hashes = list(hashes)  # later blocks chain on from the sender's
         for block, h in zip(blocks, hashes):
             self.pool.register(block, h)
 

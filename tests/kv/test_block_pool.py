@@ -55,6 +55,29 @@ def test_hash_is_chained_over_the_prefix():
     assert len(hash_block(None, [1], None)) == 16  # 128 bits
 
 
+def test_each_block_is_hashed_once_in_a_request_s_life(monkeypatch):
+    """Looked up step after step while it waits, admitted, computed, preempted and readmitted: every
+    block is hashed once, and the hashes are the chain the router computes for the prompt."""
+    import iterserve.kv.kv_cache_manager as kv_module
+    from iterserve.router.policy import prompt_block_hashes
+    hashed = []
+    real = kv_module.hash_block
+    monkeypatch.setattr(kv_module, "hash_block", lambda *args: hashed.append(args[1]) or real(*args))
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    r = make_request("a", list(range(18)), salt="t")  # 4 full blocks and 2 tokens
+    for _ in range(3):
+        assert kv.get_computed_blocks(r) == ([], 0)  # waiting: nothing cached yet
+    kv.allocate_slots(r, 18)
+    kv.mark_computing(r, [])
+    r.num_computed_tokens = 18
+    kv.cache_full_blocks(r)
+    kv.free(r)  # preempted (recompute): the blocks stay cached
+    r.num_computed_tokens = 0
+    hits, n = kv.get_computed_blocks(r)
+    assert n == 16 and len(hashed) == 4
+    assert [b.block_hash for b in hits] == r.block_hashes == prompt_block_hashes(list(range(18)), 4, "t")
+
+
 def test_allocate_returns_none_when_pool_is_short():
     kv = KVCacheManager(num_blocks=2, block_size=4)
     r = make_request("a", list(range(9)))
