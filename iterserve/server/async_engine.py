@@ -414,6 +414,9 @@ class _StatusLine:
         if self.last == 0.0:
             self.last = now
         elif now - self.last >= self.interval:
-            logger.info("engine: running %d, waiting %d, KV usage %.1f%%, %.1f tokens/s",
-                        stats.num_running, stats.num_queued, 100 * stats.kv_usage, self.tokens / (now - self.last))
+            rate, spec = stats.spec_acceptance_rate, ""
+            if rate is not None:
+                spec = f", drafts accepted {100 * rate:.1f}% ({stats.spec_mean_accepted_len:.2f} tokens a drafted step)"
+            logger.info("engine: running %d, waiting %d, KV usage %.1f%%, %.1f tokens/s%s", stats.num_running,
+                        stats.num_queued, 100 * stats.kv_usage, self.tokens / (now - self.last), spec)
             self.last, self.tokens = now, 0

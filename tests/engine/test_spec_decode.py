@@ -62,8 +62,10 @@ def test_proposer_matches_a_brute_force_search(tokens, k, lo, span):
 def test_who_is_drafted():
     assert draftable(SamplingParams(temperature=0), 0)
     for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=0),
-                   SamplingParams(temperature=0, prompt_logprobs=0), SamplingParams(temperature=0, presence_penalty=1),
-                   SamplingParams(temperature=0, repetition_penalty=1.1), SamplingParams(temperature=0, logit_bias={1: 2}),
+                   SamplingParams(temperature=0, prompt_logprobs=0),
+                   SamplingParams(temperature=0, presence_penalty=1),
+                   SamplingParams(temperature=0, repetition_penalty=1.1),
+                   SamplingParams(temperature=0, logit_bias={1: 2}),
                    SamplingParams(temperature=0, structured_outputs=StructuredOutputs(json_object=True))):
         assert not draftable(params, 5)
     assert not draftable(SamplingParams(temperature=0, min_tokens=3), 2)

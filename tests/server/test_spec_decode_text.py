@@ -52,8 +52,9 @@ PROMPT = "the cat sat on a mat and then it ran far away the cat sat on"
 
 @pytest.mark.parametrize("params", [
     dict(stop=["ran far"]), dict(stop=["ran far"], include_stop_str_in_output=True), dict(stop=["then it"]),
-    dict(stop=["it ran"], max_tokens=12), dict(stop=["it ran"], max_tokens=7), dict(stop=["away"], min_tokens=14), dict(max_tokens=9),
-    dict(stop=["never said"], max_tokens=25)])
+    dict(stop=["it ran"], max_tokens=12),
+    dict(stop=["it ran"], max_tokens=7),  # the run also reaches max_tokens: the stop string still wins
+    dict(stop=["away"], min_tokens=14), dict(max_tokens=9), dict(stop=["never said"], max_tokens=25)])
 def test_stop_strings_and_max_tokens_inside_an_accepted_run(tokenizer, params):
     params = {"max_tokens": 40, "temperature": 0, **params}
     want, _, _, plain_steps = generate(engine(tokenizer, False), PROMPT, SamplingParams(**params))
@@ -70,7 +71,8 @@ def test_server_streams_several_tokens_a_step_and_counts_drafts(tokenizer):
     server = start_server(engine(tokenizer, True))
     try:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
-        want = generate(engine(tokenizer, False), PROMPT, SamplingParams(max_tokens=30, temperature=0, stop=["far"]))[0]
+        params = SamplingParams(max_tokens=30, temperature=0, stop=["far"])
+        want = generate(engine(tokenizer, False), PROMPT, params)[0]
         r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0, stop=["far"])
         assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
         assert r.usage.completion_tokens == len(want.token_ids)
@@ -85,3 +87,15 @@ def test_server_streams_several_tokens_a_step_and_counts_drafts(tokenizer):
         wait_for(lambda: no_leaks(server), 10, "the server still holds request state")
     finally:
         server.stop()
+
+
+def test_the_status_line_shows_the_acceptance(tokenizer, caplog):
+    from iterserve.server.async_engine import _StatusLine
+    spec_engine = engine(tokenizer, True)
+    generate(spec_engine, PROMPT, SamplingParams(max_tokens=20, temperature=0))
+    stats, line = spec_engine.stats, _StatusLine(interval=0.0)
+    with caplog.at_level("INFO", logger="iterserve"):
+        line.maybe_log(stats, [])
+        line.maybe_log(stats, [])
+    rate = 100 * stats.num_spec_accepted_tokens / stats.num_spec_draft_tokens
+    assert f"drafts accepted {rate:.1f}% ({stats.spec_mean_accepted_len:.2f} tokens a drafted step)" in caplog.text
