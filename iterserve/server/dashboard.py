@@ -112,6 +112,8 @@ def simulated_system(engine):
     from iterserve.executor.model_runner import ModelRunner
     if not isinstance(executor, ModelRunner) or executor.device.type != "cpu":  # the CPU profile models only that
         return None
+    if engine.config.speculative_config.speculative_method is not None:
+        return None  # the simulator does not model draft acceptance
     import argparse
 
     from iterserve.sim.cli import resolve

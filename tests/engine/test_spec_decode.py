@@ -205,3 +205,10 @@ def test_reference_prompts_greedy_tokens_equal_with_speculation(default_runner, 
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.token_ids == b.token_ids, f"prompt {i}"
     assert engine.stats.num_spec_accepted_tokens > 0
+
+
+def test_the_servers_diagnostics_replay_nothing_on_the_simulator_with_speculation(tiny_runner):
+    from iterserve.server.dashboard import make_diagnostics, simulated_system
+    engine = Engine(EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=256, **SPEC), tiny_runner)
+    assert simulated_system(engine) is None
+    assert make_diagnostics(engine).whatif is None
