@@ -1,7 +1,7 @@
-"""Colocated vs 1P1D on a mixed trace: steady short chats plus long prompts every few seconds.
+"""Colocated vs P/D (1P1D or any xPyD) on a mixed trace: steady chats plus long prompts every few seconds.
 
-Colocated is one engine with --cores threads; 1P1D is a prefill process and a decode process
-(server/pd_engines.py) with cores/2 threads each, joined by the KV connector (--transport). Both see
+Colocated is one engine with --cores threads; --pd xPyD (default 1P1D) is x prefill and y decode
+processes (server/pd_engines.py) with cores/(x+y) threads each, joined by KV connectors (--transport). Both see
 the same trace in wall-clock time; the table gives p50/p99 TPOT and mean TTFT of the chats and of
 the long prompts. The claim under test: disaggregation takes the long prompts' prefill spikes out of
 the chats' decode steps, so the chats' p99 TPOT drops. Takes timings: run it on a quiet machine.
@@ -21,6 +21,7 @@ import numpy as np
 
 from iterserve.bench.metrics import stats
 from iterserve.config import EngineConfig
+from iterserve.engine.disagg import parse_pd
 from iterserve.sampling_params import SamplingParams
 
 
@@ -66,7 +67,8 @@ def run_colocated(args, trace) -> dict[str, object]:
 
 def run_pd(args, trace) -> dict[str, object]:
     from iterserve.server.pd_engines import PDEngines
-    pd = PDEngines({**config(args), "num_threads": max(1, args.cores // 2)}, args.transport)
+    x, y = parse_pd(args.pd)
+    pd = PDEngines({**config(args), "num_threads": pd_threads(args)}, args.transport, x, y)
     try:
         pd.add_request(trace[0][2][:8], params(2), "warm-up")
         while pd.has_unfinished():
@@ -85,6 +87,11 @@ def run_pd(args, trace) -> dict[str, object]:
         return done
     finally:
         pd.close()
+
+
+def pd_threads(args) -> int:
+    """The cores shared out among the P/D engines (x + y processes on one host)."""
+    return max(1, args.cores // sum(parse_pd(args.pd)))
 
 
 def config(args) -> dict:
@@ -111,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-len", type=int, default=2048, help="long prompt tokens")
     p.add_argument("--long-every", type=float, default=4.0, help="seconds between long prompts")
     p.add_argument("--long-output", type=int, default=16, help="long request output tokens")
-    p.add_argument("--cores", type=int, default=2, help="colocated threads; 1P1D gets half each")
+    p.add_argument("--cores", type=int, default=2, help="colocated threads; the P/D engines share them out")
+    p.add_argument("--pd", default="1P1D", help="the disaggregated split, xPyD (engines chosen as `serve --pd` does)")
     p.add_argument("--transport", choices=("shm", "dist"), default="shm")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="chunked prefill budget, both targets")
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{sum(r[1] == 'chat' for r in trace)} chats of {args.chat_len}+{args.chat_output} tokens, "
           f"{sum(r[1] == 'long' for r in trace)} prompts of {args.long_len} tokens, over {args.duration:.0f} s")
     rows = table(f"colocated ({args.cores} cores)", trace, run_colocated(args, trace))
-    rows += table(f"1P1D ({max(1, args.cores // 2)} core each, {args.transport})", trace, run_pd(args, trace))
+    rows += table(f"{args.pd.upper()} ({pd_threads(args)} core each, {args.transport})", trace, run_pd(args, trace))
     ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
     print(f"{'target':<32} {'kind':<5} {'n':>4} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12} {'TTFT mean ms':>13}")
     for r in rows:

@@ -10,6 +10,7 @@ scheduler sees one extra entry point and nothing else.
 from __future__ import annotations
 
 import logging
+import re
 from collections import deque
 
 from iterserve.engine.engine import Engine
@@ -27,6 +28,14 @@ def _require(engine: Engine, method: str, role: str) -> None:
                         f"{type(engine.executor).__name__} has none (tensor parallel does not move KV blocks yet)")
 
 
+def parse_pd(text: str) -> tuple[int, int]:
+    """'2P1D' -> (2, 1): x prefill and y decode engines."""
+    m = re.fullmatch(r"\s*(\d+)\s*[pP]\s*(\d+)\s*[dD]\s*", text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"--pd takes xPyD with x, y >= 1 (e.g. 1P1D, 2P1D), not {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
 def check_pd_params(params: SamplingParams) -> None:
     """What a disaggregated request cannot do, refused by name instead of done wrong."""
     if params.n != 1:
@@ -41,17 +50,22 @@ class PrefillEngine:
         self.engine, self.connector = engine, connector
         self.num_sent = 0
         self.num_send_failures = 0
+        self.decode_targets: dict[str, str] = {}  # xPyD: the decode engine each request goes to
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    **kwargs) -> str:
+                    decode_target: str | None = None, **kwargs) -> str:
         params = params or SamplingParams()
         check_pd_params(params)
-        return self.engine.add_request(prompt, params, request_id, **kwargs)
+        request_id = self.engine.add_request(prompt, params, request_id, **kwargs)
+        if decode_target is not None:
+            self.decode_targets[request_id] = decode_target
+        return request_id
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
+        self.decode_targets.pop(request_id, None)
         return self.engine.abort_request(request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -59,7 +73,9 @@ class PrefillEngine:
         Its output is the first token, unfinished; `error` is set when the hand-off failed."""
         outputs = self.engine.step()
         for i, out in enumerate(outputs):
-            if not out.finished:
+            if out.finished:  # after one token, or failed: it never leaves
+                self.decode_targets.pop(out.request_id, None)
+            else:
                 error = self._hand_off(out.request_id)
                 if error:
                     outputs[i] = self.engine.abort_request(out.request_id)[0]
@@ -75,7 +91,8 @@ class PrefillEngine:
         blocks = engine.executor.read_blocks(kv.block_table(request_id)[:-(-n // bs)])
         hashes = kv.req_hashes.get(request_id, [])[:n // bs]
         meta = HandoffMeta(request.prompt_token_ids, request.output_token_ids[0], request.sampling_params,
-                           request.times.arrival, request.times.first_token, request.priority, request.cache_salt)
+                           request.times.arrival, request.times.first_token, request.priority, request.cache_salt,
+                           self.decode_targets.pop(request_id, None))
         try:
             self.connector.send(request_id, blocks, hashes, meta)
         except Exception as exc:  # the decode side is gone or the link broke: this request fails, we go on

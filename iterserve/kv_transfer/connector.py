@@ -26,6 +26,7 @@ class HandoffMeta:
     first_token_time: float
     priority: int = 0
     cache_salt: str | None = None
+    decode_target: str | None = None  # which decode engine gets it (xPyD: chosen by the front's router)
 
 
 @dataclass(slots=True)
@@ -45,6 +46,38 @@ class KVConnector(Protocol):
         """The next transfer, or None if none arrived within `timeout` seconds."""
 
     def close(self) -> None: ...
+
+
+class RoutedConnector:
+    """A prefill engine's side of xPyD: one channel per decode engine, each transfer sent on the one
+    its meta.decode_target names. A channel marked dead refuses at once, so the prefill engine ends
+    that request with an error and frees its blocks instead of sending into a queue nobody reads."""
+
+    def __init__(self, channels: dict[str, KVConnector]) -> None:
+        if not channels:
+            raise ValueError("a routed connector needs at least one decode channel")
+        self.channels = channels
+        self.dead: set[str] = set()
+
+    def send(self, request_id: str, blocks: Any, hashes: list[bytes], meta: HandoffMeta) -> None:
+        target = meta.decode_target
+        if target is None and len(self.channels) == 1:
+            target = next(iter(self.channels))
+        if target not in self.channels:
+            raise ValueError(f"request {request_id}: no KV channel to decode engine {target!r}")
+        if target in self.dead:
+            raise ConnectionError(f"decode engine {target} is dead")
+        self.channels[target].send(request_id, blocks, hashes, meta)
+
+    def receive(self, timeout: float = 0.0) -> KVTransfer | None:
+        raise TypeError("a routed connector only sends (it is the prefill side's)")
+
+    def mark_dead(self, target: str) -> None:
+        self.dead.add(target)
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
 
 
 def get_or_none(q, timeout: float) -> KVTransfer | None:

@@ -1,8 +1,8 @@
 """Which replica serves a request: plain-Python policies shared by the Ray Serve app and the simulator."""
 from iterserve.router.policy import (
-    POLICIES, PowerOfTwoRouter, PrefixAffinityRouter, ReplicaLoad, RoundRobinRouter, Router, make_router,
-    prompt_block_hashes,
+    POLICIES, LeastKVRouter, PowerOfTwoRouter, PrefixAffinityRouter, ReplicaLoad, RoundRobinRouter, Router,
+    make_router, prompt_block_hashes,
 )
 
-__all__ = ["POLICIES", "PowerOfTwoRouter", "PrefixAffinityRouter", "ReplicaLoad", "RoundRobinRouter", "Router",
-           "make_router", "prompt_block_hashes"]
+__all__ = ["POLICIES", "LeastKVRouter", "PowerOfTwoRouter", "PrefixAffinityRouter", "ReplicaLoad",
+           "RoundRobinRouter", "Router", "make_router", "prompt_block_hashes"]

@@ -169,7 +169,29 @@ class PrefixAffinityRouter(_Counting):
             owner.popitem(last=False)
 
 
-POLICIES = ("prefix-affinity", "round-robin", "power-of-two")
+class LeastKVRouter(_Counting):
+    """The replica with the least KV usage: a P/D decode engine is chosen this way, since what a
+    decode engine runs out of is blocks for the requests it holds, not compute.
+
+    Reports lag the requests just routed, so usages within `kv_slack` of the least count as equal
+    and the least loaded of those (by the router's own in-flight count) is taken: a burst spreads
+    over near-equal engines instead of piling onto the one that reported a hair less. 0 is the
+    plain argmin of the reports."""
+
+    def __init__(self, kv_slack: float = 0.05) -> None:
+        super().__init__()
+        if not 0 <= kv_slack <= 1:
+            raise ValueError(f"kv_slack must be in [0, 1], got {kv_slack}")
+        self.kv_slack = kv_slack
+
+    def choose(self, block_hashes: Sequence[bytes], loads: Mapping[str, ReplicaLoad]) -> str:
+        _check_live(loads)
+        least = min(x.kv_usage for x in loads.values())
+        near = {r: x for r, x in loads.items() if x.kv_usage <= least + self.kv_slack}
+        return min((self.load(r, x), x.kv_usage, r) for r, x in near.items())[2]
+
+
+POLICIES = ("prefix-affinity", "round-robin", "power-of-two", "least-kv")
 
 
 def make_router(policy: str, seed: int = 0, max_imbalance: int = 8) -> Router:
@@ -180,4 +202,6 @@ def make_router(policy: str, seed: int = 0, max_imbalance: int = 8) -> Router:
         return PowerOfTwoRouter(seed)
     if policy == "prefix-affinity":
         return PrefixAffinityRouter(max_imbalance)
+    if policy == "least-kv":
+        return LeastKVRouter()
     raise ValueError(f"router must be one of {POLICIES}, got {policy!r}")

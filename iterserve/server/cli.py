@@ -19,10 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(parser, ServerConfig, "server", defaults={"api_key": os.environ.get("ITERSERVE_API_KEY")})
     add_engine_args(parser)
     pd = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
-    pd.add_argument("--pd", default=None, help="1P1D: a prefill and a decode engine, each its own process, "
-                    "joined by a KV connector")
+    pd.add_argument("--pd", default=None, help="xPyD (e.g. 1P1D, 2P1D, 1P2D): x prefill and y decode engines, "
+                    "each its own process, joined by KV connectors; the prefill engine chosen by prefix "
+                    "affinity, the decode engine by least KV usage")
     pd.add_argument("--kv-transport", choices=("shm", "dist"), default="shm",
-                    help="with --pd: shared memory, or torch.distributed send/recv")
+                    help="with --pd: shared memory (any xPyD), or torch.distributed send/recv (1P1D)")
     return parser
 
 
@@ -69,10 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("loading %s ...", config.model_config.model or "the default model (SmolLM2-135M-Instruct)")
     build = lambda: Engine(config)  # noqa: E731
     if args.pd:
-        if args.pd.upper() != "1P1D" or config.parallel_config.tensor_parallel_size > 1:
-            fail(f"--pd serves 1P1D without tensor parallelism (not {args.pd!r}); `iterserve simulate --pd` models xPyD")
-        from iterserve.server.pd_engines import serving_engines
-        build = lambda: serving_engines(config, args.kv_transport)  # noqa: E731
+        from iterserve.engine.disagg import parse_pd
+        from iterserve.server.pd_engines import check_transport, serving_engines
+        if config.parallel_config.tensor_parallel_size > 1:
+            fail("--pd runs without tensor parallelism (each engine is one process)")
+        try:
+            x, y = parse_pd(args.pd)
+            check_transport(args.kv_transport, x, y)
+        except ValueError as exc:
+            fail(str(exc))
+        build = lambda: serving_engines(config, args.kv_transport, x, y)  # noqa: E731
     async_engine = AsyncEngine(build, request_timeout=server.request_timeout, log_interval=server.log_interval)
     engine = async_engine.engine
     logger.info("loaded in %.1f s: %d KV blocks of %d tokens", time.monotonic() - start,

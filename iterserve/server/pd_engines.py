@@ -1,8 +1,16 @@
-"""1P1D as two processes: a prefill engine and a decode engine, each spawned in its own process and
-joined by a KV connector (docs/disaggregation.md). The front object here sends each request to the
-prefill process and merges both processes' outputs into one stream per request: the first token from
-the prefill side, the rest from the decode side. A decode process that dies ends the requests it held
-with an error naming it; the prefill process carries on.
+"""xPyD as processes: x prefill engines and y decode engines, each spawned in its own process and
+joined by KV connectors (docs/disaggregation.md). The front object here routes each request, merges
+the processes' outputs into one stream per request (the first token from its prefill engine, the
+rest from its decode engine) and shows the Engine's surface to the AsyncEngine.
+
+Routing, with the router's own classes: the front hashes the prompt's blocks once, a
+PrefixAffinityRouter picks the prefill engine (a shared prefix lands where it is cached) and a
+LeastKVRouter the decode engine (what a decode engine runs out of is blocks). The decode target
+travels with the request to its prefill engine, whose connector has one channel per decode engine.
+Every engine reports its EngineStats after each step, with its outputs; the routers read those.
+
+A decode process that dies ends only the requests routed to it, with an error naming it; the other
+engines carry on and the routers stop choosing it. A dead prefill process ends the requests it held.
 """
 from __future__ import annotations
 
@@ -14,40 +22,64 @@ from dataclasses import replace
 from iterserve.engine.disagg import check_pd_params
 from iterserve.engine.stats import EngineStats
 from iterserve.outputs import RequestOutput
+from iterserve.router.policy import LeastKVRouter, PrefixAffinityRouter, ReplicaLoad, prompt_block_hashes
 from iterserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("iterserve.pd")
 TRANSPORTS = ("shm", "dist")
-ROLES = ("prefill", "decode")
 
 
-def _make_connector(transport: str, role: str, shm_queue, init_method: str | None):
+def engine_names(num_prefill: int, num_decode: int) -> tuple[list[str], list[str]]:
+    return [f"prefill-{i}" for i in range(num_prefill)], [f"decode-{j}" for j in range(num_decode)]
+
+
+def check_transport(transport: str, num_prefill: int, num_decode: int) -> None:
+    """What the transports run, refused in one line before any process starts."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"--pd needs at least one prefill and one decode engine, not {num_prefill}P{num_decode}D")
+    if transport == "dist" and num_prefill * num_decode > 1:
+        raise ValueError(f"--kv-transport dist runs 1P1D only (one two-rank torch.distributed group), not "
+                         f"{num_prefill}P{num_decode}D; --kv-transport shm runs any xPyD")
+
+
+def _make_connector(name: str, transport: str, channels: dict, init_method: str | None):
+    """A decode engine's receiver, or a prefill engine's RoutedConnector with a channel to each decode
+    engine. channels: decode engine -> its shared-memory queue (shm) or None (dist, 1P1D)."""
+    from iterserve.kv_transfer.connector import RoutedConnector
     if transport == "shm":
         from iterserve.kv_transfer.shm_connector import ShmConnector
-        return ShmConnector(shm_queue)
+        if name in channels:
+            return ShmConnector(channels[name])
+        return RoutedConnector({decode: ShmConnector(q) for decode, q in channels.items()})
     from iterserve.kv_transfer.dist_connector import DECODE_RANK, PREFILL_RANK, DistConnector
     import torch
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return DistConnector(PREFILL_RANK if role == "prefill" else DECODE_RANK, init_method, backend)
+    if name in channels:
+        return DistConnector(DECODE_RANK, init_method, backend)
+    return RoutedConnector({decode: DistConnector(PREFILL_RANK, init_method, backend) for decode in channels})
 
 
-def _worker(role: str, config_kwargs: dict, transport: str, shm_queue, init_method: str | None,
+def _worker(name: str, config_kwargs, transport: str, channels: dict, init_method: str | None,
             inbox, outbox) -> None:
-    """One side's process: take commands, step the engine, report outputs. Ends on ("stop",)."""
+    """One engine's process: take commands, step the engine, report outputs and stats. Ends on ("stop",)."""
     from iterserve.config import EngineConfig
     from iterserve.engine.disagg import DecodeEngine, PrefillEngine
     from iterserve.engine.engine import Engine
+    decoding = name in channels
     try:
         engine = Engine(config_kwargs if isinstance(config_kwargs, EngineConfig) else EngineConfig(**config_kwargs))
-        connector = _make_connector(transport, role, shm_queue, init_method)
-        side = PrefillEngine(engine, connector) if role == "prefill" else DecodeEngine(engine, connector)
+        connector = _make_connector(name, transport, channels, init_method)
+        side = DecodeEngine(engine, connector) if decoding else PrefillEngine(engine, connector)
     except Exception as exc:
-        outbox.put(("failed", role, f"{type(exc).__name__}: {exc}"))
+        outbox.put(("failed", name, f"{type(exc).__name__}: {exc}"))
         return
-    outbox.put(("ready", role, None))
+    outbox.put(("ready", name, engine.stats))
+    reported = engine.stats.num_steps
     while True:
         busy = side.has_unfinished()
-        if role == "decode" and not busy:
+        if decoding and not busy:
             side.poll(timeout=0.005)
             busy = side.has_unfinished()
         try:
@@ -56,34 +88,59 @@ def _worker(role: str, config_kwargs: dict, transport: str, shm_queue, init_meth
                 busy = True  # drain the rest without waiting
                 if cmd[0] == "stop":
                     connector.close()
-                    outbox.put(("stopped", role, None))
+                    outbox.put(("stopped", name, None))
                     return
-                _command(side, cmd, outbox, role)
+                _command(side, cmd, outbox, name)
         except queue_module.Empty:
             pass
         if side.has_unfinished():
-            outputs = side.step()
-            if outputs:
-                outbox.put(("out", role, (outputs, side.engine.stats)))
+            outputs, stats = side.step(), side.engine.stats
+            if outputs or stats.num_steps != reported:  # after every step run: the routers' view of its load
+                reported = stats.num_steps
+                outbox.put(("out", name, (outputs, stats)))
 
 
-def _command(side, cmd: tuple, outbox, role: str) -> None:
+def _command(side, cmd: tuple, outbox, name: str) -> None:
     if cmd[0] == "add":
-        _, request_id, prompt, params, arrival, priority, cache_salt = cmd
+        _, request_id, prompt, params, arrival, priority, cache_salt, decode_target = cmd
         try:
-            side.add_request(prompt, params, request_id, arrival_time=arrival, priority=priority, cache_salt=cache_salt)
+            side.add_request(prompt, params, request_id, decode_target=decode_target, arrival_time=arrival,
+                             priority=priority, cache_salt=cache_salt)
         except ValueError as exc:
-            outbox.put(("rejected", role, (request_id, str(exc))))
+            outbox.put(("rejected", name, (request_id, str(exc))))
     elif cmd[0] == "abort":
         outputs = side.abort_request(cmd[1])
         if outputs:
-            outbox.put(("out", role, (outputs, side.engine.stats)))
+            outbox.put(("out", name, (outputs, side.engine.stats)))
+    elif cmd[0] == "dead":  # prefill side: a decode engine died, refuse to send to it
+        side.connector.mark_dead(cmd[1])
     elif cmd[0] == "stats":
-        outbox.put(("stats", role, side.engine.stats))
+        outbox.put(("stats", name, side.engine.stats))
+
+
+def merged_stats(prefill: list[EngineStats], decode: list[EngineStats]) -> EngineStats:
+    """One engine's view of xPyD: the decode engines' pools and batches, with what the prefill engines
+    hold counted as waiting, and their prefix-cache lookups (decode engines look nothing up)."""
+    total, free = sum(s.num_kv_blocks for s in decode), sum(s.num_free_kv_blocks for s in decode)
+    return replace(
+        decode[0], num_running=sum(s.num_running for s in decode),
+        num_waiting=sum(s.num_waiting for s in decode) + sum(s.num_waiting + s.num_running for s in prefill),
+        num_swapped=sum(s.num_swapped for s in decode), kv_usage=(total - free) / total if total else 0.0,
+        num_kv_blocks=total, num_free_kv_blocks=free, num_preemptions=sum(s.num_preemptions for s in decode),
+        num_prefix_queries=sum(s.num_prefix_queries for s in prefill),
+        num_prefix_hits=sum(s.num_prefix_hits for s in prefill), num_steps=sum(s.num_steps for s in decode),
+        max_model_len=min(s.max_model_len for s in prefill + decode),
+        num_kv_transfers_recomputed=sum(s.num_kv_transfers_recomputed for s in decode))
+
+
+def _error_output(request_id: str, error: str, last: RequestOutput | None = None) -> RequestOutput:
+    if last is None:
+        return RequestOutput(request_id, [], [], "", [], "", True, "error", None, [], None, error)
+    return replace(last, new_token_ids=[], new_text="", finished=True, finish_reason="error", error=error)
 
 
 class PDEngines:
-    """The front of one prefill and one decode process. Not thread-safe: one caller drives it."""
+    """The front of x prefill and y decode processes. Not thread-safe: one caller drives it."""
 
     # The model's facts the server reads through its AsyncEngine (an EngineClient, server/engine_client.py);
     # serving_engines sets them from the model's files, and build_app names any that is missing.
@@ -92,29 +149,46 @@ class PDEngines:
     eos_token_ids: frozenset[int]
     max_model_len: int
 
-    def __init__(self, config_kwargs, transport: str = "shm", port: int = 29561,
-                 start_timeout_s: float = 180.0) -> None:
-        """config_kwargs: an EngineConfig or its keyword arguments, for both engines."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
+    # The model's facts the server reads through its AsyncEngine (an EngineClient, server/engine_client.py);
+    # serving_engines sets them from the model's files, and build_app names any that is missing.
+    tokenizer: object | None
+    vocab_size: int | None
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+    def __init__(self, config_kwargs, transport: str = "shm", num_prefill: int = 1, num_decode: int = 1,
+                 port: int = 29561, start_timeout_s: float = 180.0) -> None:
+        """config_kwargs: an EngineConfig or its keyword arguments, for every engine."""
+        from iterserve.config import EngineConfig
+        check_transport(transport, num_prefill, num_decode)
         import torch.multiprocessing as mp
+        self.engine_config = config_kwargs if isinstance(config_kwargs, EngineConfig) else EngineConfig(**config_kwargs)
+        self.block_size = self.engine_config.cache_config.block_size
+        self.prefill_names, self.decode_names = engine_names(num_prefill, num_decode)
         ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
-        self.inbox = {role: ctx.Queue() for role in ROLES}
-        shm_queue = ctx.Queue() if transport == "shm" else None
+        self.inbox = {name: ctx.Queue() for name in self.prefill_names + self.decode_names}
+        channels = {name: ctx.Queue() if transport == "shm" else None for name in self.decode_names}
         init_method = f"tcp://127.0.0.1:{port}" if transport == "dist" else None
         self.procs = {}
-        for role in ROLES:
-            self.procs[role] = ctx.Process(target=_worker, name=f"iterserve-{role}", daemon=True, args=(
-                role, config_kwargs, transport, shm_queue, init_method, self.inbox[role], self.outbox))
-            self.procs[role].start()
-        self.stage: dict[str, str] = {}  # unfinished request -> the role that holds it
+        for name in self.inbox:
+            self.procs[name] = ctx.Process(target=_worker, name=f"iterserve-{name}", daemon=True, args=(
+                name, self.engine_config, transport, channels, init_method, self.inbox[name], self.outbox))
+            self.procs[name].start()
+        self.prefill_router, self.decode_router = PrefixAffinityRouter(), LeastKVRouter()
+        self.loads: dict[str, ReplicaLoad] = {}  # each engine's latest report, as the routers read it
+        self.stage: dict[str, str] = {}  # unfinished request -> the engine that holds it
+        self.route: dict[str, tuple[str, str]] = {}  # unfinished request -> (its prefill, its decode engine)
         self.last: dict[str, RequestOutput] = {}
+        self.early: dict[str, list[tuple[str, RequestOutput]]] = {}  # decode outputs that beat the prefill's
+        self.dead: set[str] = set()  # engines found dead (their requests ended)
+        self.tokenizer = None
         self._stats: dict[str, EngineStats] = {}
         self._ready: set[str] = set()
+        self._fresh: set[str] = set()  # engines whose report came in answer to fetch_stats
         self._pending: list[RequestOutput] = []  # drained while waiting for stats, not yet handed out
         deadline = time.monotonic() + start_timeout_s
-        while self._ready != set(ROLES):
+        while self._ready != set(self.procs):
             if time.monotonic() > deadline:
                 self.close()
                 raise RuntimeError(f"the prefill/decode processes did not start within {start_timeout_s:.0f}s")
@@ -128,19 +202,34 @@ class PDEngines:
         check_pd_params(params)
         if not request_id or request_id in self.stage:
             raise ValueError(f"request id {request_id!r} is empty or already in use")
-        self.stage[request_id] = "prefill"
+        token_ids = self.encode(prompt)
+        hashes = prompt_block_hashes(token_ids, self.block_size, cache_salt)
+        prefill_live, decode_live = self._live(self.prefill_names), self._live(self.decode_names)
+        prefill = self.prefill_router.choose(hashes, prefill_live)
+        decode = self.decode_router.choose(hashes, decode_live)
+        self.prefill_router.on_routed(prefill, hashes)
+        self.decode_router.on_routed(decode, hashes)
+        self.stage[request_id], self.route[request_id] = prefill, (prefill, decode)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.inbox["prefill"].put(("add", request_id, prompt, params, arrival, priority, cache_salt))
+        self.inbox[prefill].put(("add", request_id, token_ids, params, arrival, priority, cache_salt, decode))
         return request_id
 
+    def _live(self, names: list[str]) -> dict[str, ReplicaLoad]:
+        """The routers' view: the latest report of each engine still alive (a dead one is never chosen)."""
+        live = {n: self.loads[n] for n in names if n not in self.dead and self.procs[n].is_alive()}
+        if not live:
+            raise RuntimeError(f"no live {names[0].split('-')[0]} engine: {', '.join(names)} all died")
+        return live
+
     def abort(self, request_id: str) -> None:
-        """Forgotten here at once; both sides are told, since its blocks may be between them."""
-        if self.stage.pop(request_id, None) is None:
+        """Forgotten here at once; both its engines are told, since its blocks may be between them."""
+        route = self.route.get(request_id)
+        if route is None:
             return
-        self.last.pop(request_id, None)
-        for role in ROLES:
-            if self.procs[role].is_alive():
-                self.inbox[role].put(("abort", request_id))
+        self._end(request_id)
+        for name in route:
+            if self.procs[name].is_alive():
+                self.inbox[name].put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
         return bool(self.stage)
@@ -148,9 +237,9 @@ class PDEngines:
     def get_outputs(self, timeout: float = 0.1) -> list[RequestOutput]:
         """Outputs since the last call (waiting up to `timeout` for the first)."""
         outputs = self._drain(timeout)
-        return outputs + self._fail_orphans()
+        return outputs + self._check_deaths()
 
-    # ---- the Engine's surface: the AsyncEngine and the HTTP server drive 1P1D as one engine -------
+    # ---- the Engine's surface: the AsyncEngine and the HTTP server drive xPyD as one engine -------
     def step(self) -> list[RequestOutput]:
         return self.get_outputs(0.01)
 
@@ -160,47 +249,56 @@ class PDEngines:
         return []
 
     def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids, once, here: the routers hash them and the prefill engine takes them as they are."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
+            return list(self._tokenizer().encode(prompt))
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        return token_ids
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            from iterserve.model.loader import default_model_path, load_tokenizer
+            self.tokenizer = load_tokenizer(self.engine_config.model_config.model or default_model_path())
+        return self.tokenizer
 
     @property
     def stats(self) -> EngineStats:
-        """The decode engine's latest report, with the prefill engine's queue as the waiting requests."""
-        p, d = self._stats.get("prefill"), self._stats.get("decode")
-        if p is None or d is None:
-            return self.stats_of("decode")
-        return replace(d, num_waiting=d.num_waiting + p.num_waiting + p.num_running,
-                       num_prefix_queries=p.num_prefix_queries, num_prefix_hits=p.num_prefix_hits)
+        """The live engines' latest reports merged (merged_stats); every engine reports when ready."""
+        def reports(names):
+            return [self._stats[n] for n in names if n not in self.dead] or [self._stats[n] for n in names]
+        return merged_stats(reports(self.prefill_names), reports(self.decode_names))
 
-    def stats_of(self, role: str) -> EngineStats:
-        return self._stats.get(role) or self.fetch_stats(role)
+    def stats_of(self, name: str) -> EngineStats:
+        return self._stats.get(name) or self.fetch_stats(name)
 
     def shutdown(self) -> None:
         self.close()
 
     # ---- processes ------------------------------------------------------------------------------
-    def fetch_stats(self, role: str, timeout: float = 30.0) -> EngineStats:
-        self._stats.pop(role, None)
-        self.inbox[role].put(("stats",))
+    def fetch_stats(self, name: str, timeout: float = 30.0) -> EngineStats:
+        """A fresh report from one engine (e.g. prefill-0, decode-1)."""
+        self._fresh.discard(name)
+        self.inbox[name].put(("stats",))
         deadline = time.monotonic() + timeout
-        while role not in self._stats:
-            if time.monotonic() > deadline or not self.procs[role].is_alive():
-                raise RuntimeError(f"the {role} engine did not report its stats")
+        while name not in self._fresh:
+            if time.monotonic() > deadline or not self.procs[name].is_alive():
+                raise RuntimeError(f"the {name} engine did not report its stats")
             self._pending.extend(self._drain(0.05))
-        return self._stats[role]
+        return self._stats[name]
 
-    def kill(self, role: str) -> None:
-        """Kill one side's process at once (tests of what survives a death)."""
-        self.procs[role].kill()
-        self.procs[role].join(10)
+    def kill(self, name: str) -> None:
+        """Kill one engine's process at once (tests of what survives a death)."""
+        self.procs[name].kill()
+        self.procs[name].join(10)
 
     def close(self, timeout: float = 10.0) -> None:
-        for role, proc in self.procs.items():
+        for name, proc in self.procs.items():
             if proc.is_alive():
-                self.inbox[role].put(("stop",))
+                self.inbox[name].put(("stop",))
         for proc in self.procs.values():
             proc.join(timeout)
             if proc.is_alive():
@@ -212,64 +310,92 @@ class PDEngines:
         wait = timeout
         while True:
             try:
-                kind, role, payload = self.outbox.get(timeout=wait) if wait > 0 else self.outbox.get_nowait()
+                kind, name, payload = self.outbox.get(timeout=wait) if wait > 0 else self.outbox.get_nowait()
             except queue_module.Empty:
                 return outputs
             wait = 0.0
             if kind == "out":
-                batch, self._stats[role] = payload
-                outputs.extend(o for out in batch if (o := self._route(role, out)) is not None)
+                batch, stats = payload
+                self._report(name, stats)
+                for out in batch:
+                    outputs.extend(self._route(name, out))
             elif kind == "rejected":
                 request_id, error = payload
-                self.stage.pop(request_id, None)
-                outputs.append(RequestOutput(request_id, [], [], "", [], "", True, "error", None, [], None, error))
-            elif kind == "stats":
-                self._stats[role] = payload
-            elif kind == "ready":
-                self._ready.add(role)
+                if request_id in self.route:
+                    self._end(request_id)
+                    outputs.append(_error_output(request_id, error))
+            elif kind in ("stats", "ready"):
+                self._report(name, payload)
+                (self._fresh if kind == "stats" else self._ready).add(name)
             elif kind == "failed":
                 self.close()
-                raise RuntimeError(f"the {role} engine failed to start: {payload}")
+                raise RuntimeError(f"the {name} engine failed to start: {payload}")
 
-    def _route(self, role: str, out: RequestOutput) -> RequestOutput | None:
+    def _report(self, name: str, stats: EngineStats) -> None:
+        self._stats[name] = stats
+        self.loads[name] = ReplicaLoad(stats.num_running, stats.num_queued, stats.kv_usage)
+
+    def _route(self, name: str, out: RequestOutput) -> list[RequestOutput]:
         rid = out.request_id
-        if rid not in self.stage:
-            return None  # already ended here (its decode process died)
-        if role == "prefill" and not out.finished:
-            self.stage[rid] = "decode"  # its blocks are on their way
+        held = self.stage.get(rid)
+        if held is None:
+            return []  # already ended here (aborted, or an engine of its died)
+        prefill, decode = self.route[rid]
+        if name == decode and held == prefill:  # its decode engine reported before its prefill engine did
+            self.early.setdefault(rid, []).append((name, out))
+            return []
         if out.finished:
-            self.stage.pop(rid, None)
-            self.last.pop(rid, None)
-        else:
-            self.last[rid] = out
-        return out
+            self._end(rid)
+            return [out]
+        self.last[rid] = out
+        if name != prefill or held != prefill:
+            return [out]
+        self.stage[rid] = decode  # its blocks are on their way
+        self.prefill_router.on_finished(prefill)
+        return [out] + [o for n, early in self.early.pop(rid, []) for o in self._route(n, early)]
 
-    def _fail_orphans(self) -> list[RequestOutput]:
-        """Requests held by a dead process end with an error naming it."""
+    def _end(self, rid: str) -> None:
+        """Forget a request that ended (finished, failed, aborted): the routers count it no more."""
+        held = self.stage.pop(rid, None)
+        prefill, decode = self.route.pop(rid)
+        self.last.pop(rid, None)
+        self.early.pop(rid, None)
+        if held == prefill:
+            self.prefill_router.on_finished(prefill)
+        self.decode_router.on_finished(decode)
+
+    def _check_deaths(self) -> list[RequestOutput]:
+        """An engine found dead: the requests routed to it end with an error naming it, nothing else."""
         failed = []
-        for role, proc in self.procs.items():
-            if proc.is_alive():
+        for name, proc in self.procs.items():
+            if name in self.dead or proc.is_alive():
                 continue
-            for rid in [r for r, held in self.stage.items() if held == role]:
-                del self.stage[rid]
-                last = self.last.pop(rid, None)
-                error = f"the {role} engine died (exit code {proc.exitcode}) while generating this request"
-                if last is None:
-                    failed.append(RequestOutput(rid, [], [], "", [], "", True, "error", None, [], None, error))
-                else:
-                    failed.append(replace(last, new_token_ids=[], new_text="", finished=True,
-                                          finish_reason="error", error=error))
+            self.dead.add(name)
+            logger.warning("the %s engine died (exit code %s)", name, proc.exitcode)
+            if name in self.decode_names:
+                self.decode_router.forget(name)
+                for prefill in self.prefill_names:  # their hand-offs to it fail at once, freeing the blocks
+                    if prefill not in self.dead:
+                        self.inbox[prefill].put(("dead", name))
+            else:
+                self.prefill_router.forget(name)
+            error = f"the {name} engine died (exit code {proc.exitcode}) while generating this request"
+            # a decode engine's requests are those routed to it, in either stage; a prefill engine's,
+            # those it still holds (the rest are already on a decode engine)
+            for rid in [r for r, route in self.route.items() if self.stage[r] == name or route[1] == name]:
+                last = self.last.get(rid)
+                self.abort(rid)  # its other engine drops it: blocks still being prefilled, or on their way
+                failed.append(_error_output(rid, error, last))
         return failed
 
 
-def serving_engines(config, transport: str = "shm") -> PDEngines:
-    """1P1D with what the HTTP server reads from an engine: the tokenizer, vocabulary, EOS ids, context."""
+def serving_engines(config, transport: str = "shm", num_prefill: int = 1, num_decode: int = 1) -> PDEngines:
+    """xPyD with what the HTTP server reads from an engine: the tokenizer, vocabulary, EOS ids, context."""
     from iterserve.executor.model_runner import eos_token_ids
-    from iterserve.model.loader import default_model_path, load_model_arch, load_tokenizer
-    pd = PDEngines(config, transport)
-    path = config.model_config.model or default_model_path()
-    arch = load_model_arch(path)
-    pd.config, pd.tokenizer, pd.vocab_size = config, load_tokenizer(path), arch.vocab_size
-    pd.eos_token_ids = eos_token_ids(arch, pd.tokenizer)
-    pd.max_model_len = min(pd.fetch_stats(role).max_model_len for role in ROLES)
+    from iterserve.model.loader import default_model_path, load_model_arch
+    pd = PDEngines(config, transport, num_prefill, num_decode)
+    arch = load_model_arch(config.model_config.model or default_model_path())
+    pd.config, pd.vocab_size = config, arch.vocab_size
+    pd.eos_token_ids = eos_token_ids(arch, pd._tokenizer())
+    pd.max_model_len = pd.stats.max_model_len
     return pd

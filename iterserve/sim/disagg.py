@@ -2,33 +2,24 @@
 
 x prefill and y decode engines, each a real Engine (wrapped as in engine/disagg.py) on a
 SimulatedExecutor with its own VirtualClock, on one event timeline as in sim/cluster.py. The events
-are arrivals (to a prefill engine chosen by the router's prefix-affinity policy, as replicas are),
-engine step ends, and KV
-transfers landing: a request's prompt blocks leave its prefill engine after its first token and reach
-the decode engine with the lowest KV usage after bytes / interconnect bandwidth. Colocated runs the
-same trace on x + y replicas (run_cluster), so both use the same number of devices.
+are arrivals (to a prefill engine chosen by the router's PrefixAffinityRouter, as replicas are),
+engine step ends, and KV transfers landing: a request's prompt blocks leave its prefill engine after
+its first token and reach, after bytes / interconnect bandwidth, the decode engine the router's
+LeastKVRouter picks when they land. `serve --pd xPyD` routes with the same two classes. Colocated
+runs the same trace on x + y replicas (run_cluster), so both use the same number of devices.
 """
 from __future__ import annotations
 
 import heapq
-import re
 from collections import deque
 
 from iterserve.bench.metrics import Slo, TargetResult, request_metrics, summarize
 from iterserve.bench.runner import trace_params
 from iterserve.bench.workload import Trace, materialize_prompts
-from iterserve.engine.disagg import DecodeEngine, PrefillEngine
+from iterserve.engine.disagg import DecodeEngine, PrefillEngine, parse_pd
 from iterserve.kv_transfer.connector import KVTransfer
-from iterserve.router.policy import ReplicaLoad, make_router, prompt_block_hashes
+from iterserve.router.policy import LeastKVRouter, PrefixAffinityRouter, ReplicaLoad, make_router, prompt_block_hashes
 from iterserve.sim.cluster import load_of
-
-
-def parse_pd(text: str) -> tuple[int, int]:
-    """'2P1D' -> (2, 1)."""
-    m = re.fullmatch(r"\s*(\d+)\s*[pP]\s*(\d+)\s*[dD]\s*", text)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise ValueError(f"--pd takes xPyD with x, y >= 1 (e.g. 1P1D, 2P1D), not {text!r}")
-    return int(m.group(1)), int(m.group(2))
 
 
 class _Link:
@@ -62,8 +53,10 @@ def run_disagg(make_engine, num_prefill: int, num_decode: int, trace: Trace, lin
     sides = prefill + decode
     pending = deque(sorted(trace.requests, key=lambda r: r.arrival_time))
     by_id = {r.request_id: r for r in trace.requests}
-    router, ids = make_router("prefix-affinity"), [f"prefill-{i}" for i in range(num_prefill)]
+    # the two policies `serve --pd xPyD` uses (server/pd_engines.py), the same objects
+    router, ids = PrefixAffinityRouter(), [f"prefill-{i}" for i in range(num_prefill)]
     loads = {rid: ReplicaLoad() for rid in ids}
+    decode_router, decode_ids = LeastKVRouter(), [f"decode-{j}" for j in range(num_decode)]
     block_size = prefill[0].engine.scheduler.block_size
     busy: list[tuple[float, int]] = []  # (clock, index into sides)
     landing: list[tuple[float, int, object]] = []  # (arrival time, seq, transfer)
@@ -89,7 +82,9 @@ def run_disagg(make_engine, num_prefill: int, num_decode: int, trace: Trace, lin
             wake(i, r.arrival_time)
         elif t_land <= t_step:
             t, _, transfer = heapq.heappop(landing)
-            j = min(range(num_decode), key=lambda k: (decode[k].engine.stats.kv_usage, len(inboxes[k].inbox)))
+            decode_loads = {d: load_of(e.engine.stats) for d, e in zip(decode_ids, decode)}
+            j = decode_ids.index(decode_router.choose(transfer.hashes, decode_loads))
+            decode_router.on_routed(decode_ids[j], transfer.hashes)
             inboxes[j].inbox.append(transfer)
             wake(num_prefill + j, t)
         else:
@@ -99,6 +94,8 @@ def run_disagg(make_engine, num_prefill: int, num_decode: int, trace: Trace, lin
             for out in side.step():
                 if i < num_prefill:
                     router.on_finished(ids[i])  # handed off, or done after one token
+                elif out.finished:
+                    decode_router.on_finished(decode_ids[i - num_prefill])
                 if out.finished:
                     r = by_id[out.request_id]
                     done[r.request_id] = request_metrics(r.request_id, r.prompt_len, len(out.token_ids), out.times)

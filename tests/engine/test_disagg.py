@@ -10,6 +10,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.engine.disagg import DecodeEngine, PrefillEngine
 from iterserve.executor.model_runner import ModelRunner
+from iterserve.kv_transfer.connector import RoutedConnector
 from iterserve.kv_transfer.shm_connector import ShmConnector
 from iterserve.request import Request, RequestTimes
 from iterserve.sampling_params import SamplingParams
@@ -121,3 +122,26 @@ def test_abort_while_the_blocks_are_on_their_way(runners, prompts):
     assert not decode.has_unfinished() and not decode.dropped
     for engine in (prefill.engine, decode.engine):
         assert engine.stats.num_free_kv_blocks == engine.stats.num_kv_blocks
+
+
+def test_routed_connector_sends_each_request_to_its_decode_target(runners, prompts):
+    """xPyD's prefill side: each hand-off goes on its request's decode target's channel; one to a
+    channel marked dead fails at once with the blocks freed."""
+    channels = {"decode-0": ShmConnector(), "decode-1": ShmConnector()}
+    prefill = PrefillEngine(Engine(EngineConfig(**CONFIG), executor=runners[0]), RoutedConnector(channels))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prefill.add_request(prompts[0], params, "a", decode_target="decode-1")
+    prefill.add_request(prompts[1], params, "b", decode_target="decode-0")
+    while prefill.has_unfinished():
+        assert all(not o.finished for o in prefill.step())
+    for target, rid in (("decode-1", "a"), ("decode-0", "b")):
+        transfer = channels[target].receive(timeout=10)
+        assert transfer.request_id == rid and transfer.meta.decode_target == target
+    prefill.connector.mark_dead("decode-0")
+    prefill.add_request(prompts[2], params, "c", decode_target="decode-0")
+    outs = []
+    while prefill.has_unfinished():
+        outs += prefill.step()
+    assert [o.finish_reason for o in outs] == ["error"] and "decode-0 is dead" in outs[0].error
+    assert channels["decode-0"].receive(timeout=0.2) is None and not prefill.decode_targets
+    assert prefill.engine.stats.num_free_kv_blocks == prefill.engine.stats.num_kv_blocks

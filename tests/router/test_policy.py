@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from iterserve.kv.kv_cache_manager import KVCacheManager
 from iterserve.request import Request, RequestTimes
 from iterserve.router import (
-    POLICIES, PowerOfTwoRouter, PrefixAffinityRouter, ReplicaLoad, make_router,
+    POLICIES, LeastKVRouter, PowerOfTwoRouter, PrefixAffinityRouter, ReplicaLoad, make_router,
     prompt_block_hashes,
 )
 from iterserve.sampling_params import SamplingParams
@@ -122,3 +122,39 @@ def test_prompt_hashes_are_the_kv_managers(tokens, salt):
     again = Request("b", tokens, SamplingParams(), RequestTimes(0.0), cache_salt=salt)
     hits, _ = kv.get_computed_blocks(again)
     assert [b.block_hash for b in hits] == prompt_block_hashes(tokens, BS, salt)
+
+
+@given(slack=st.sampled_from([0.0, 0.05, 0.3]), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_least_kv_picks_within_slack_of_the_least_used(slack, data):
+    """A P/D decode engine: never one whose KV usage is more than `slack` above the least reported
+    (0: exactly the least), whatever the router has in flight."""
+    router = LeastKVRouter(slack)
+    for _ in range(data.draw(st.integers(1, 30))):
+        loads = {r: data.draw(reports) for r in data.draw(replica_sets)}
+        choice = router.choose([], loads)
+        least = min(x.kv_usage for x in loads.values())
+        assert choice in loads and loads[choice].kv_usage <= least + slack
+        router.on_routed(choice, [])
+        if data.draw(st.booleans()):
+            router.on_finished(choice)
+
+
+def test_least_kv_spreads_a_burst_until_the_reports_catch_up():
+    router = LeastKVRouter(kv_slack=0.05)
+    loads = {"d0": ReplicaLoad(kv_usage=0.10), "d1": ReplicaLoad(kv_usage=0.12), "d2": ReplicaLoad(kv_usage=0.5)}
+    picks = []
+    for _ in range(6):  # the same reports for the whole burst: near-equal engines take turns
+        picks.append(router.choose([], loads))
+        router.on_routed(picks[-1], [])
+    assert sorted(picks) == ["d0"] * 3 + ["d1"] * 3
+    loads["d0"] = ReplicaLoad(num_running=3, kv_usage=0.3)  # d0's report shows its share
+    assert router.choose([], loads) == "d1"
+    router.forget("d1")
+    del loads["d1"]  # died: never chosen again
+    assert router.choose([], loads) == "d0"
+
+
+def test_least_kv_slack_out_of_range_is_an_error():
+    with pytest.raises(ValueError, match="kv_slack"):
+        LeastKVRouter(kv_slack=1.5)

@@ -1,6 +1,6 @@
-"""1P1D across two processes, with both KV transports: the same greedy tokens as a colocated engine,
-no leaked blocks, and a decode process killed mid-stream ends its requests with an error while the
-prefill process carries on."""
+"""xPyD across processes: the same greedy tokens as a colocated engine (1P1D over torch.distributed,
+2P1D over shared memory), the prefill engine chosen by prefix affinity, no leaked blocks, and a decode
+process killed mid-stream (1P2D) ends its own requests with an error while the others carry on."""
 from __future__ import annotations
 
 import socket
@@ -36,52 +36,100 @@ def run_until_finished(pd: PDEngines, ids: list[str], timeout_s: float = 240.0) 
     return finished
 
 
-def assert_no_blocks_held(pd: PDEngines, role: str) -> None:
-    stats = pd.fetch_stats(role)
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks, f"{role} engine leaked blocks"
+def assert_no_blocks_held(pd: PDEngines, name: str) -> None:
+    stats = pd.fetch_stats(name)
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks, f"{name} engine leaked blocks"
 
 
-@pytest.mark.parametrize("transport", ["shm", "dist"])
-def test_1p1d_processes_token_identical_to_colocated(prompts, transport):
+def assert_every_pool_empty(pd: PDEngines) -> None:
+    for name in pd.procs:
+        assert_no_blocks_held(pd, name)
+    assert all(pd.fetch_stats(d).num_kv_transfers_recomputed == 0 for d in pd.decode_names)
+
+
+def finished_with_error(out, name: str) -> bool:
+    return out.finish_reason == "error" and f"{name} engine died" in out.error
+
+
+def one_at_a_time(pd: PDEngines, prompts) -> tuple[list[list[int]], list[tuple[str, str]]]:
+    """Each prompt to completion before the next: its tokens, and the (prefill, decode) engines it went to."""
+    tokens, routes = [], []
+    for i, p in enumerate(prompts):
+        pd.add_request(p, GREEDY, str(i))
+        routes.append(pd.route[str(i)])
+        out = run_until_finished(pd, [str(i)])[str(i)]
+        assert out.error is None and out.finish_reason == "length"
+        tokens.append(out.token_ids)
+    return tokens, routes
+
+
+def test_1p1d_dist_token_identical_to_colocated(prompts):
     colocated, _ = generate(ModelRunner(EngineConfig(**CONFIG)), prompts, one_at_a_time=True, num_tokens=NEW_TOKENS)
-    pd = PDEngines(CONFIG, transport, port=free_port())
+    pd = PDEngines(CONFIG, "dist", port=free_port())
     try:
-        tokens = []
-        for i, p in enumerate(prompts):
-            pd.add_request(p, GREEDY, str(i))
-            out = run_until_finished(pd, [str(i)])[str(i)]
-            assert out.error is None and out.finish_reason == "length"
-            tokens.append(out.token_ids)
-        assert tokens == [t for t, _ in colocated]
-        assert_no_blocks_held(pd, "prefill")
-        assert_no_blocks_held(pd, "decode")
-        assert pd.fetch_stats("decode").num_kv_transfers_recomputed == 0
+        assert one_at_a_time(pd, prompts)[0] == [t for t, _ in colocated]
+        assert_every_pool_empty(pd)
     finally:
         pd.close()
     assert not any(p.is_alive() for p in pd.procs.values())
 
 
-def test_decode_killed_mid_stream(prompts):
-    pd = PDEngines(CONFIG, "shm")
+def test_2p1d_token_identical_and_prefill_engine_by_prefix_affinity(prompts, reference_prompts):
+    """2P1D over shared memory: the colocated tokens; then a prompt goes to the prefill engine that
+    computed its prefix, and a new prefix to the least-loaded one."""
+    colocated, _ = generate(ModelRunner(EngineConfig(**CONFIG)), prompts, one_at_a_time=True, num_tokens=NEW_TOKENS)
+    pd = PDEngines(CONFIG, "shm", num_prefill=2)
     try:
-        long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-        for i in range(2):
-            pd.add_request(prompts[i], long, str(i))
-        deadline = time.monotonic() + 240
-        streamed = 0
-        while streamed < 2:  # a decode step has streamed (the prefill side gives one token)
+        tokens, routes = one_at_a_time(pd, prompts)
+        assert tokens == [t for t, _ in colocated]
+        home = routes[2][0]  # prompts[2]: 100 tokens, 6 full blocks cached there
+        hits = pd.fetch_stats(home).num_prefix_hits
+        tail = reference_prompts[4][:10]
+        fresh, other = reference_prompts[6], reference_prompts[7]  # 180 and 300 tokens, no prefix in common
+        route = {}
+        for rid, p in (("fresh", fresh), ("other", other), ("other+", other[:200] + tail), ("x+", prompts[2] + tail)):
+            pd.add_request(p, GREEDY, rid)
+            route[rid] = pd.route[rid][0]
+        assert route["fresh"] != route["other"], "a new prefix goes to the least-loaded prefill engine"
+        assert route["other+"] == route["other"], "a shared prefix follows the engine that has it"
+        assert route["x+"] == home
+        done = run_until_finished(pd, list(route))
+        assert all(o.error is None and len(o.token_ids) == NEW_TOKENS for o in done.values())
+        assert pd.fetch_stats(home).num_prefix_hits >= hits + 6 * 16, "x+ found its prefix in its engine's cache"
+        assert_every_pool_empty(pd)
+    finally:
+        pd.close()
+    assert not any(p.is_alive() for p in pd.procs.values())
+
+
+def test_decode_engine_killed_mid_stream_ends_only_its_requests(prompts):
+    """1P2D: the two requests go to different decode engines (least KV usage, a tie spread by what is
+    in flight); killing one decode engine ends its request alone, and later requests avoid it."""
+    pd = PDEngines(CONFIG, "shm", num_decode=2)
+    try:
+        pd.add_request(prompts[0], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True), "a")
+        pd.add_request(prompts[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "b")
+        victim, survivor = pd.route["a"][1], pd.route["b"][1]
+        assert {victim, survivor} == {"decode-0", "decode-1"}
+        streamed, ended, deadline = {"a": 0, "b": 0}, {}, time.monotonic() + 240
+        while min(streamed.values()) < 2:  # both are decoding (the prefill side gives one token)
             assert time.monotonic() < deadline
-            streamed = max([streamed, *(len(o.token_ids) for o in pd.get_outputs(0.05))])
-        pd.kill("decode")
-        ended = run_until_finished(pd, ["0", "1"])
-        for o in ended.values():
-            assert o.finish_reason == "error" and "decode engine died" in o.error
-        # the prefill side carries on: a new request still gets its first token, then fails the hand-off
-        pd.add_request(prompts[2], long, "late")
+            for o in pd.get_outputs(0.05):
+                streamed[o.request_id] = max(streamed[o.request_id], len(o.token_ids))
+                if o.finished:
+                    ended[o.request_id] = o
+        pd.kill(victim)
+        ended.update(run_until_finished(pd, [r for r in ("a", "b") if r not in ended]))
+        assert finished_with_error(ended["a"], victim)
+        assert ended["b"].error is None and len(ended["b"].token_ids) == 40
+        pd.add_request(prompts[2], GREEDY, "late")
+        assert pd.route["late"][1] == survivor, "the router never chooses a dead decode engine"
         late = run_until_finished(pd, ["late"])["late"]
-        assert late.finish_reason == "error" and len(late.token_ids) == 1
-        assert pd.procs["prefill"].is_alive()
-        assert_no_blocks_held(pd, "prefill")
+        assert late.error is None and len(late.token_ids) == NEW_TOKENS
+        assert pd.procs["prefill-0"].is_alive() and pd.procs[survivor].is_alive()
+        for name in ("prefill-0", survivor):
+            assert_no_blocks_held(pd, name)
+        assert pd.stats.num_free_kv_blocks == pd.stats.num_kv_blocks  # merged over the live decode engine
     finally:
         pd.close()
 
@@ -108,8 +156,12 @@ def test_async_engine_streams_1p1d_with_text(prompts):
         async_engine.shutdown()
 
 
-def test_serve_pd_refuses_what_it_does_not_run(capsys):
+@pytest.mark.parametrize("argv,message", [
+    (["--pd", "2P0D"], "--pd takes xPyD"),
+    (["--pd", "2P1D", "--kv-transport", "dist"], "--kv-transport dist runs 1P1D only"),
+])
+def test_serve_pd_refuses_what_it_does_not_run(capsys, argv, message):
     from iterserve.server.cli import main as serve_main
     with pytest.raises(SystemExit):
-        serve_main(["--pd", "2P1D", "--port", str(free_port())])
-    assert "--pd serves 1P1D" in capsys.readouterr().err
+        serve_main([*argv, "--port", str(free_port())])
+    assert message in capsys.readouterr().err

@@ -49,6 +49,7 @@ def test_every_request_finishes_and_each_side_keeps_to_its_role(split):
     assert all(not s.decode_ids for e in prefill for s in e.step_records), "a prefill engine decoded"
     for e in built:
         assert e.stats.num_free_kv_blocks == e.stats.num_kv_blocks
+    assert all(e.step_records for e in built), "the routers left an engine idle (prefix affinity, least KV usage)"
 
 
 def test_transfer_time_is_bytes_over_bandwidth():
