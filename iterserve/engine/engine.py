@@ -183,7 +183,7 @@ class Engine:
         if transfer.blocks is None:
             return transfer.error or "no blocks arrived"
         spec, n = self.executor.kv_cache_spec, len(transfer.meta.prompt_token_ids)
-        expected = (spec.num_layers, 2, -(-n // spec.block_size), spec.block_size, spec.num_kv_heads, spec.head_dim)
+        expected = (spec.num_layers, 2, -(-n // spec.block_size), spec.block_size, spec.num_kv_heads, spec.head_width)
         got = tuple(transfer.blocks.shape)
         return None if got == expected else f"blocks of shape {got}, this pool's layout is {expected}"
 

@@ -13,11 +13,19 @@ from typing import Protocol, runtime_checkable
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "fp8": 1}
+# A quantized pool stores each (token, kv head)'s values followed by their float32 scale
+# (--kv-cache-dtype int8): head_dim + 4 int8 elements where a float pool holds head_dim.
+KV_SCALE_BYTES = {"int8": 4}
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """K and V of every layer for block_size tokens."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+def kv_head_width(head_dim: int, dtype: str) -> int:
+    """Elements (of the pool's dtype) one token's K, or V, of one kv head takes in the pool."""
+    return head_dim + KV_SCALE_BYTES.get(dtype, 0) // DTYPE_BYTES[dtype]
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> int:
+    """K and V of every layer for block_size tokens, scales included."""
+    return 2 * num_layers * block_size * num_kv_heads * kv_head_width(head_dim, dtype) * DTYPE_BYTES[dtype]
 
 
 def num_blocks_for(memory_bytes: int, block_bytes: int) -> int:
@@ -50,8 +58,12 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                               DTYPE_BYTES[self.dtype])
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def head_width(self) -> int:
+        """The pool's last dimension: head_dim, plus an int8 pool's scale (blocks travel with it)."""
+        return kv_head_width(self.head_dim, self.dtype)
 
 
 class ExecutorDeadError(RuntimeError):

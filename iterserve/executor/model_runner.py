@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from iterserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
-from iterserve.executor.base import KVCacheSpec, num_blocks_for
+from iterserve.executor.base import KVCacheSpec, kv_head_width, num_blocks_for
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.logits_processors import make_adjust
 from iterserve.executor.sampler import make_batch, prompt_logprobs, sample
@@ -59,6 +59,16 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+
+
+def kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype, attention: str) -> str:
+    """The KV pool's dtype (executor.base.DTYPE_BYTES): the model's, or int8 where attention can read it."""
+    if kv_cache_dtype == "auto":
+        return str(dtype).removeprefix("torch.")
+    if attention != "torch":
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is read by the torch/CPU attention path only, not by "
+                         f"the {attention} kernels: use --kv-cache-dtype auto here (or ITERSERVE_ATTENTION=torch)")
+    return kv_cache_dtype
 
 
 def eos_token_ids(arch: ModelArch, tokenizer) -> frozenset[int]:
@@ -100,7 +110,7 @@ class ModelRunner:
                                 quantization=mc.quantization, tp=tp)
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
         weight_cache.release_load_buffers()
-        self.kv_dtype = str(self.dtype).removeprefix("torch.")
+        self.kv_dtype = kv_dtype_name(cc.kv_cache_dtype, self.dtype, self.model.attention.name)
         self.kv_cache_spec = KVCacheSpec(cc.block_size, 1, 0, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                          self.kv_dtype)
         num_kv_blocks = self._num_kv_blocks(self.kv_cache_spec.bytes_per_block)
@@ -124,7 +134,7 @@ class ModelRunner:
         """What this runner is built from: engines whose configs share the key may share one runner."""
         c = config.cache_config
         return repr((config.model_config, c.block_size, c.num_kv_blocks, c.kv_cache_memory, c.gpu_memory_utilization,
-                     config.swap_space_bytes, config.scheduler_config.preemption_mode == "auto",
+                     c.kv_cache_dtype, config.swap_space_bytes, config.scheduler_config.preemption_mode == "auto",
                      config.parallel_config.tensor_parallel_size, config.parallel_config.distributed_port))
 
     def shutdown(self) -> None:
@@ -207,10 +217,12 @@ class ModelRunner:
 
     def _alloc_kv(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         c = self.arch
-        shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        width = kv_head_width(c.head_dim, self.kv_dtype)  # an int8 pool's rows carry their scales
+        shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, width)
+        dtype = torch.int8 if self.kv_dtype == "int8" else self.dtype
         if device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=device)
-        return _lazy_zeros(shape, self.dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return _lazy_zeros(shape, dtype)
 
     # ------------------------------------------------------------ one step
 
@@ -250,15 +262,19 @@ class ModelRunner:
     # ------------------------------------------------------------ KV hand-off (disaggregated prefill)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of these blocks on the CPU, in the pool's layout [layers, 2, n, block_size, kv_heads, head_dim]."""
+        """A copy of these blocks on the CPU, in the pool's layout [layers, 2, n, block_size, kv_heads, head_dim]
+        (an int8 pool's rows carry their scales: head_dim + 4)."""
         return self.kv_cache[:, :, block_ids].to("cpu")
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Fill these blocks from read_blocks' layout (another engine's, of the same model and block size)."""
         expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        if (blocks.dtype == torch.int8) != (self.kv_cache.dtype == torch.int8):
+            raise ValueError(f"KV blocks in {blocks.dtype} do not fit this pool's {self.kv_cache.dtype}: "
+                             "both engines need the same --kv-cache-dtype")
         if tuple(blocks.shape) != expected:
             raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} do not fit this pool's {expected}")
-        self.kv_cache[:, :, block_ids] = blocks.to(self.device, self.dtype)
+        self.kv_cache[:, :, block_ids] = blocks.to(self.device, self.kv_cache.dtype)
 
     def _prepare(self, plan: SchedulerOutput):
         reqs, bs = plan.scheduled, plan.block_size

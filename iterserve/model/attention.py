@@ -15,6 +15,11 @@ once per step (AttentionPlan) into
 A windowed layer (ModelArch.sliding_window) masks the positions a query is `window` or more behind;
 the C++ decode kernel does not read the blocks wholly behind it. Gemma 2's score soft-capping
 (cap * tanh(s / cap)) goes through the same kernels, or an explicit masked softmax in torch.
+
+An int8 cache (--kv-cache-dtype int8, layout in kv_quant.py) is quantized as it is written. The C++
+decode kernel reads its int8 rows and scales in place; the torch gather dequantizes the gathered
+context; prompt rows dequantize their sequence's blocks, their own new K/V included, so that a
+prompt, a chunk, a prefix-cache hit and a decode all attend to the same stored values.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 
 from iterserve.model import cpu_kernels
 from iterserve.model.attention_metadata import AttentionMetadata
+from iterserve.model.kv_quant import dequantize_kv, quantize_kv
 
 
 @dataclass(slots=True)
@@ -126,9 +132,14 @@ def _kv_rows(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              use_kernel: bool = False) -> None:
-    """layer_cache [2, num_blocks, block_size, Hkv, D]; k, v [T, Hkv, D]; in place."""
+    """layer_cache [2, num_blocks, block_size, Hkv, D] (int8: D + 4, quantized on the way in, see
+    kv_quant.py); k, v [T, Hkv, D]; in place."""
+    quantized = layer_cache.dtype == torch.int8
     if use_kernel and cpu_kernels.elementwise_ops() is not None:  # a memcpy per row: index_copy_ took ~30 us
-        return cpu_kernels.write_kv(layer_cache[0], layer_cache[1], k, v, slot_mapping)
+        write = cpu_kernels.write_kv_int8 if quantized else cpu_kernels.write_kv
+        return write(layer_cache[0], layer_cache[1], k, v, slot_mapping)
+    if quantized:
+        k, v = quantize_kv(k), quantize_kv(v)
     _, nblk, bs, hkv, d = layer_cache.shape
     layer_cache[0].view(nblk * bs, hkv, d).index_copy_(0, slot_mapping, k)
     layer_cache[1].view(nblk * bs, hkv, d).index_copy_(0, slot_mapping, v)
@@ -161,16 +172,19 @@ def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, sca
         return cpu_kernels.decode_attention(q, layer_cache[0], layer_cache[1], plan.decode_tables, plan.decode_seq_lens,
                                             scale, plan.num_threads, window=window, softcap=softcap)
     b, h, d = q.shape
-    hkv = layer_cache.shape[3]
+    hkv, width = layer_cache.shape[3:]  # width: d, or d + 4 for an int8 cache's rows with their scales
     g = h // hkv
     if plan.decode_kv_rows is None:
         plan.decode_kv_rows = _kv_rows(plan.decode_blocks, plan.block_size, hkv)
-        shape = (2, b, hkv, plan.decode_blocks.shape[1] * plan.block_size, d)
+        shape = (2, b, hkv, plan.decode_blocks.shape[1] * plan.block_size, width)
         ws = plan.workspace
-        plan.decode_ctx = ws.get(shape, q.dtype, q.device) if ws is not None else q.new_empty(shape)
+        plan.decode_ctx = ws.get(shape, layer_cache.dtype, q.device) if ws is not None else \
+            layer_cache.new_empty(shape)
     rows, ctx = plan.decode_kv_rows, plan.decode_ctx
-    torch.index_select(layer_cache[0].view(-1, d), 0, rows, out=ctx[0].view(-1, d))
-    torch.index_select(layer_cache[1].view(-1, d), 0, rows, out=ctx[1].view(-1, d))
+    torch.index_select(layer_cache[0].view(-1, width), 0, rows, out=ctx[0].view(-1, width))
+    torch.index_select(layer_cache[1].view(-1, width), 0, rows, out=ctx[1].view(-1, width))
+    if layer_cache.dtype == torch.int8:  # the reference path: this step's context only, widened
+        ctx = dequantize_kv(ctx, q.dtype)
     qg = q.view(b, hkv, g, d)  # query heads sharing one kv head become rows of one matmul
     scores = torch.matmul(qg, ctx[0].transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
     if softcap:
@@ -192,11 +206,8 @@ def _window_bias(plan: AttentionPlan, window: int) -> torch.Tensor:
 
 def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
             p: PromptSeq, scale: float, plan: AttentionPlan, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    if not p.fresh:  # context = cached tokens (this step's were just written) read through the block table
-        hkv, d = layer_cache.shape[3:]
-        # index_select copies whole blocks (memcpy); advanced indexing goes element by element (~8x slower)
-        k = layer_cache[0].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
-        v = layer_cache[1].index_select(0, p.block_table).view(-1, hkv, d)[: p.seq_len]
+    if not p.fresh or layer_cache.dtype == torch.int8:
+        k, v = _cached_context(layer_cache, p, q.dtype)
     if plan.kernels and not softcap and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
         return cpu_kernels.prompt_attention(q, k, v, scale, plan.num_threads, window)  # causal, bottom-right aligned
     if window or softcap:
@@ -209,6 +220,18 @@ def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torc
     out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None].to(wide) for x in (q, k, v)),
                                          attn_mask=p.mask, is_causal=p.fresh, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).to(dtype)
+
+
+def _cached_context(layer_cache: torch.Tensor, p: PromptSeq, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence's K, V [seq_len, Hkv, D] read through its block table (this step's were just
+    written). An int8 cache's are dequantized, a fresh prompt's too: every query then sees the values
+    its later decodes and any prefix-cache hit will, whatever the batching."""
+    hkv, width = layer_cache.shape[3:]
+    # index_select copies whole blocks (memcpy); advanced indexing goes element by element (~8x slower)
+    k, v = (layer_cache[i].index_select(0, p.block_table).view(-1, hkv, width)[: p.seq_len] for i in (0, 1))
+    if layer_cache.dtype == torch.int8:
+        return dequantize_kv(k, dtype), dequantize_kv(v, dtype)
+    return k, v
 
 
 def _masked_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PromptSeq, scale: float, window: int,

@@ -12,9 +12,15 @@
 // window's first position, and the positions of that block before it (`skip`) are masked.
 // Gemma 2's soft-capping (cap * tanh(score / cap)) is one more pass over the scores.
 //
+// An int8 cache (--kv-cache-dtype int8, kv_quant.py) goes through the same code with the cache's
+// element type as a template parameter (KV): each head's row is head_dim int8 values and their
+// float32 scale; values are widened in registers, K's scale multiplies the scores of its position and
+// V's the probability that weighs its row. Nothing is dequantized into memory.
+//
 // Plain C ABI, no torch headers, so it builds in about a second; OpenMP resolves to the libgomp
 // torch has already loaded, so it shares torch's thread pool instead of starting a second one.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -27,6 +33,25 @@ constexpr int kMaxHeads = 64;  // query heads, for the AVX-512 path's register t
 constexpr int kMinSlice = 512;  // positions per slice of a split context: shorter ones save less than their merge
 constexpr int kMaxSlices = 64;
 
+// How the cache holds one (position, kv head): head_dim values in the model dtype, or, in an int8
+// cache, head_dim int8 values followed by their float32 scale (`extra` elements more per head).
+template <typename KV> struct CacheRow {
+    static constexpr int extra = 0;
+    static constexpr bool quantized = false;
+    static float scale(const KV*, int) { return 1.f; }
+};
+template <> struct CacheRow<int8_t> {
+    static constexpr int extra = 4;
+    static constexpr bool quantized = true;
+    static float scale(const int8_t* head, int head_dim) {
+        float s;
+        std::memcpy(&s, head + head_dim, 4);
+        return s;
+    }
+};
+
+inline float to_f32(int8_t x) { return float(x); }
+
 // The scores of one head after Q.K: soft-capped, and the first `skip` positions (behind the window) masked.
 inline void cap_and_mask(float* s, int n, int skip, float softcap) {
     for (int p = 0; p < skip && p < n; ++p) s[p] = -INFINITY;
@@ -34,12 +59,12 @@ inline void cap_and_mask(float* s, int n, int skip, float softcap) {
         for (int p = skip; p < n; ++p) s[p] = softcap * std::tanh(s[p] / softcap);
 }
 
-template <typename T>
-void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
+template <typename T, typename KV>
+void attend_one(const T* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int seq_len,
                 T* out, int num_kv_heads, int group, int head_dim, int block_size, float scale, int h,
                 std::vector<float>& scores, int skip, float softcap) {
-    const int D = head_dim, G = group;
-    const size_t row = size_t(num_kv_heads) * D;  // elements per cache slot
+    const int D = head_dim, G = group, W = D + CacheRow<KV>::extra;
+    const size_t row = size_t(num_kv_heads) * W;  // elements per cache slot
     float qf[kMaxGroup * kMaxHeadDim];
     for (int g = 0; g < G; ++g)
         for (int d = 0; d < D; ++d) qf[g * D + d] = to_f32(q[(h * G + g) * D + d]) * scale;
@@ -47,15 +72,17 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
     float mx[kMaxGroup];
     for (int g = 0; g < G; ++g) mx[g] = -INFINITY;
     for (int p0 = 0; p0 < seq_len; p0 += block_size) {
-        const T* kb = k_cache + size_t(table[p0 / block_size]) * block_size * row + size_t(h) * D;
+        const KV* kb = k_cache + size_t(table[p0 / block_size]) * block_size * row + size_t(h) * W;
         const int n = seq_len - p0 < block_size ? seq_len - p0 : block_size;
         for (int i = 0; i < n; ++i) {
-            const T* k = kb + i * row;
+            const KV* k = kb + i * row;
+            const float ks = CacheRow<KV>::scale(k, D);
             for (int g = 0; g < G; ++g) {
                 const float* qg = qf + g * D;
                 float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
                 for (int d = 0; d < D; ++d) acc += qg[d] * to_f32(k[d]);
+                acc *= ks;
                 scores[size_t(g) * seq_len + p0 + i] = acc;
                 mx[g] = acc > mx[g] ? acc : mx[g];
             }
@@ -78,12 +105,13 @@ void attend_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* t
     float acc[kMaxGroup * kMaxHeadDim];
     std::memset(acc, 0, sizeof(float) * G * D);
     for (int p0 = 0; p0 < seq_len; p0 += block_size) {
-        const T* vb = v_cache + size_t(table[p0 / block_size]) * block_size * row + size_t(h) * D;
+        const KV* vb = v_cache + size_t(table[p0 / block_size]) * block_size * row + size_t(h) * W;
         const int n = seq_len - p0 < block_size ? seq_len - p0 : block_size;
         for (int i = 0; i < n; ++i) {
-            const T* v = vb + i * row;
+            const KV* v = vb + i * row;
+            const float vs = CacheRow<KV>::scale(v, D);
             for (int g = 0; g < G; ++g) {
-                const float w = scores[size_t(g) * seq_len + p0 + i];
+                const float w = scores[size_t(g) * seq_len + p0 + i] * vs;
                 float* a = acc + g * D;
 #pragma omp simd
                 for (int d = 0; d < D; ++d) a[d] += w * to_f32(v[d]);
@@ -113,13 +141,17 @@ inline __m512 reduce16(const __m512* a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(v1, v2, 0x88), _mm512_shuffle_f32x4(v1, v2, 0xDD));
 }
 
+inline __m512 load16(const int8_t* p) {  // an int8 cache's values, widened
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 // q . k partial sums (16 lanes) for one row; the query is kept in the form the dot wants.
-template <int D, typename T> struct Dot {  // float32, or bf16 widened to float32
+template <int D, typename T, typename KV> struct Dot {  // float32, or bf16 / int8 widened to float32
     __m512 q[D / 16];
     void set(const T* src, float scale) {
         for (int c = 0; c < D / 16; ++c) q[c] = _mm512_mul_ps(load16(src + 16 * c), _mm512_set1_ps(scale));
     }
-    __m512 operator()(const T* k) const {
+    __m512 operator()(const KV* k) const {
         __m512 a = _mm512_mul_ps(q[0], load16(k));
         for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(q[c], load16(k + 16 * c), a);
         return a;
@@ -127,7 +159,7 @@ template <int D, typename T> struct Dot {  // float32, or bf16 widened to float3
     static constexpr bool scaled = true;
 };
 #if defined(__AVX512BF16__)
-template <int D> struct Dot<D, uint16_t> {  // bf16 pairs straight from the cache: no widening
+template <int D> struct Dot<D, uint16_t, uint16_t> {  // bf16 pairs straight from the cache: no widening
     __m512bh q[D / 32];
     void set(const uint16_t* src, float) {
         for (int c = 0; c < D / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(src + 32 * c);
@@ -153,26 +185,31 @@ inline void prefetch_l2(const void* p, size_t bytes) {
 // (below). With `part` (a slice of a split context, see decode_avx512) the result goes there in
 // float32 instead of to out, [H][D] normalized within the slice, then each head's score max and
 // exp-sum: [H][2].
-template <int D, typename T>
-void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
+template <int D, typename T, typename KV>
+void attend_seq_avx512(const T* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int seq_len,
                        T* out, int num_kv_heads, int G, int block_size, float scale, std::vector<float>& scores,
                        int skip, float softcap, float* part = nullptr) {
-    constexpr int C = D / 16;
+    constexpr int C = D / 16, W = D + CacheRow<KV>::extra;
+    constexpr bool quantized = CacheRow<KV>::quantized;
     const int H = num_kv_heads * G;
-    const size_t row = size_t(num_kv_heads) * D;  // elements per cache slot
-    Dot<D, T> dots[kMaxHeads];
+    const size_t row = size_t(num_kv_heads) * W;  // elements per cache slot
+    // An int8 cache's K rows are widened once per 16 positions and kv head, into `wide` (in L1), for
+    // all G query heads: widening inside each head's dot would repeat it G times.
+    using KDot = std::conditional_t<quantized, Dot<D, T, float>, Dot<D, T, KV>>;
+    alignas(64) float wide[quantized ? 16 * D : 1];
+    KDot dots[kMaxHeads];
     for (int j = 0; j < H; ++j) dots[j].set(q + j * D, scale);
-    const __m512 post_scale = _mm512_set1_ps(Dot<D, T>::scaled ? 1.f : scale);
+    const __m512 post_scale = _mm512_set1_ps(KDot::scaled ? 1.f : scale);
     const int padded = (seq_len + 15) & ~15;
     scores.resize(size_t(H) * padded);
     float* s = scores.data();
     const int num_blocks = (seq_len + block_size - 1) / block_size;
-    const size_t row_bytes = row * sizeof(T);
-    auto row_at = [&](const T* cache, int p) {
+    const size_t row_bytes = row * sizeof(KV);
+    auto row_at = [&](const KV* cache, int p) {
         return cache + (size_t(table[p / block_size]) * block_size + p % block_size) * row;
     };
     for (int p = 0; p < 16 && p < seq_len; ++p) prefetch_l2(row_at(k_cache, p), row_bytes);
-    const T* rows[16];
+    const KV* rows[16];
     __m512 partial[16];
     for (int p0 = 0; p0 < seq_len; p0 += 16) {  // 16 positions at a time, one score per lane
         for (int r = 0; r < 16; ++r) {
@@ -182,11 +219,26 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
             if (ahead < seq_len) prefetch_l2(row_at(k_cache, ahead), row_bytes);
             else if (ahead < 2 * seq_len) prefetch_l2(row_at(v_cache, ahead - seq_len), row_bytes);
         }
-        for (int h = 0; h < num_kv_heads; ++h)
-            for (int g = h * G; g < (h + 1) * G; ++g) {
-                for (int r = 0; r < 16; ++r) partial[r] = dots[g](rows[r] + h * D);
-                _mm512_storeu_ps(s + size_t(g) * padded + p0, _mm512_mul_ps(reduce16(partial), post_scale));
+        for (int h = 0; h < num_kv_heads; ++h) {
+            auto score = [&](auto row_of, __m512 row_scale) {  // this kv head's query heads on the 16 rows
+                for (int g = h * G; g < (h + 1) * G; ++g) {
+                    for (int r = 0; r < 16; ++r) partial[r] = dots[g](row_of(r));
+                    _mm512_storeu_ps(s + size_t(g) * padded + p0, _mm512_mul_ps(reduce16(partial), row_scale));
+                }
+            };
+            if constexpr (quantized) {
+                alignas(64) float ks[16];  // the 16 positions' K scales, one per lane
+                for (int r = 0; r < 16; ++r) {
+                    const KV* k = rows[r] + h * W;
+                    for (int c = 0; c < C; ++c) _mm512_store_ps(wide + r * D + 16 * c, load16(k + 16 * c));
+                    ks[r] = CacheRow<KV>::scale(k, D);
+                }
+                score([&](int r) { return static_cast<const float*>(wide + r * D); },
+                      _mm512_mul_ps(_mm512_load_ps(ks), post_scale));
+            } else {
+                score([&](int r) { return rows[r] + h * W; }, post_scale);
             }
+        }
     }
     if (skip > 0 || softcap > 0.f)
         for (int g = 0; g < H; ++g) cap_and_mask(s + size_t(g) * padded, seq_len, skip, softcap);
@@ -226,7 +278,7 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
     for (int j = 0; j < num_blocks; ++j) {
         const int p0 = j * block_size, m = seq_len - p0 < block_size ? seq_len - p0 : block_size;
         for (int h = 0; h < num_kv_heads; ++h) {
-            const T* vb = v_cache + size_t(table[j]) * block_size * row + h * D;
+            const KV* vb = v_cache + size_t(table[j]) * block_size * row + h * W;
             for (int g0 = h * G; g0 < (h + 1) * G; g0 += TG) {
                 const int n = (h + 1) * G - g0 < TG ? (h + 1) * G - g0 : TG;
                 __m512 acc[TG][C];
@@ -237,9 +289,10 @@ void attend_seq_avx512(const T* q, const T* k_cache, const T* v_cache, const int
                     if (g0 == 0 && p + 16 < seq_len) prefetch_l2(row_at(v_cache, p + 16), row_bytes);
                     __m512 vv[C];
                     for (int c = 0; c < C; ++c) vv[c] = load16(vb + i * row + 16 * c);
+                    const float vs = CacheRow<KV>::scale(vb + i * row, D);  // 1 for a plain cache
                     for (int t = 0; t < TG; ++t) {
                         if (t >= n) break;
-                        const __m512 w = _mm512_set1_ps(s[size_t(g0 + t) * padded + p]);
+                        const __m512 w = _mm512_set1_ps(s[size_t(g0 + t) * padded + p] * vs);
                         for (int c = 0; c < C; ++c) acc[t][c] = _mm512_fmadd_ps(w, vv[c], acc[t][c]);
                     }
                 }
@@ -419,8 +472,8 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
 // Work items are whole sequences, except when there are too few of them to keep every thread busy
 // (a single long chat): then a context is cut into slices of whole blocks, at most one per thread
 // and one per kMinSlice positions, attended apart and merged.
-template <int D, typename T>
-void decode_avx512(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+template <int D, typename T, typename KV>
+void decode_avx512(const T* q, int64_t q_stride, const KV* k_cache, const KV* v_cache, const int32_t* block_tables,
                    int64_t table_stride, const int32_t* seq_lens, T* out, int num_seqs, int H, int num_kv_heads, int block_size,
                    float scale, int num_threads, int window, float softcap) {
     struct Item { int seq, begin, len, part, skip; };  // part: index of its slice buffer, -1 when whole
@@ -455,7 +508,7 @@ void decode_avx512(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < items.size(); ++i) {
             const Item& it = items[i];
-            attend_seq_avx512<D, T>(q + it.seq * q_stride, k_cache, v_cache,
+            attend_seq_avx512<D, T, KV>(q + it.seq * q_stride, k_cache, v_cache,
                                     block_tables + it.seq * table_stride + it.begin / block_size, it.len,
                                     out + it.seq * seq_stride, num_kv_heads, G, block_size, scale, scores, it.skip,
                                     softcap, it.part < 0 ? nullptr : parts.data() + it.part * part_size);
@@ -466,24 +519,24 @@ void decode_avx512(const T* q, int64_t q_stride, const T* k_cache, const T* v_ca
 }
 #endif
 
-template <typename T>
+template <typename T, typename KV>
 int decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache, const int32_t* block_tables,
            int64_t table_stride, const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
            int num_kv_heads, int head_dim, int block_size, float scale, int num_threads, int window, float softcap) {
     const int G = num_heads / num_kv_heads;
     if (head_dim > kMaxHeadDim || G > kMaxGroup || G * num_kv_heads != num_heads) return 1;
     const T* qt = static_cast<const T*>(q);
-    const T* kc = static_cast<const T*>(k_cache);
-    const T* vc = static_cast<const T*>(v_cache);
+    const KV* kc = static_cast<const KV*>(k_cache);
+    const KV* vc = static_cast<const KV*>(v_cache);
     T* ot = static_cast<T*>(out);
     const size_t seq_stride = size_t(num_heads) * head_dim;
 #if defined(__AVX512F__)
     if ((head_dim == 64 || head_dim == 128) && num_heads <= kMaxHeads) {
         if (head_dim == 64)
-            decode_avx512<64, T>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
+            decode_avx512<64, T, KV>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
                                  num_kv_heads, block_size, scale, num_threads, window, softcap);
         else
-            decode_avx512<128, T>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
+            decode_avx512<128, T, KV>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
                                   num_kv_heads, block_size, scale, num_threads, window, softcap);
         return 0;
     }
@@ -495,7 +548,7 @@ int decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_c
         for (int item = 0; item < num_seqs * num_kv_heads; ++item) {
             const int b = item / num_kv_heads, h = item % num_kv_heads;
             const int lo = window > 0 ? std::max(0, seq_lens[b] - window) : 0, first = lo / block_size;
-            attend_one<T>(qt + b * q_stride, kc, vc, block_tables + b * table_stride + first,
+            attend_one<T, KV>(qt + b * q_stride, kc, vc, block_tables + b * table_stride + first,
                           seq_lens[b] - first * block_size, ot + b * seq_stride, num_kv_heads, G, head_dim,
                           block_size, scale, h, scores, lo - first * block_size, softcap);
         }
@@ -518,10 +571,26 @@ int iterserve_decode_attention(int dtype, const void* q, int64_t q_stride, const
                                void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                                int block_size, float scale, int num_threads, int window, float softcap) {
     if (dtype == 0)
-        return decode<float>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
-                             num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
-    return decode<uint16_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
+        return decode<float, float>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs,
+                                    num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
+    return decode<uint16_t, uint16_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out,
+                                      num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads,
+                                      window, softcap);
+}
+
+// The same over an int8 cache (--kv-cache-dtype int8): k_cache, v_cache [num_blocks, block_size,
+// num_kv_heads, head_dim + 4] int8, each head's values followed by their float32 scale (kv_quant.py).
+// q and out stay in the model dtype.
+int iterserve_decode_attention_int8(int dtype, const void* q, int64_t q_stride, const void* k_cache,
+                                    const void* v_cache, const int32_t* block_tables, int64_t table_stride,
+                                    const int32_t* seq_lens, void* out, int num_seqs, int num_heads, int num_kv_heads,
+                                    int head_dim, int block_size, float scale, int num_threads, int window,
+                                    float softcap) {
+    if (dtype == 0)
+        return decode<float, int8_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs,
+                                     num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
+    return decode<uint16_t, int8_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs,
+                                    num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
 }
 
 

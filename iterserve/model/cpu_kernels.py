@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from iterserve.model.kv_quant import SCALE_BYTES
+
 logger = logging.getLogger("iterserve.model")
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
@@ -91,13 +93,22 @@ def _bind(lib: ctypes.CDLL | None, name: str, argtypes: list, restype=None):
 _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
+_DECODE_ARGS = [_i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32, _f32]
+
+
 @functools.cache
 def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
     """The C function, or None when it cannot be built here. extra_flags (tests): e.g. -mno-avx512f
     builds the portable loops, -mno-avx512bf16 the AVX-512 path without bf16 dot products."""
     lib = _build(SOURCE, [*FLAGS, *extra_flags])
-    return _bind(lib, "iterserve_decode_attention",
-                 [_i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32, _f32], _i32)
+    return _bind(lib, "iterserve_decode_attention", _DECODE_ARGS, _i32)
+
+
+@functools.cache
+def decode_attention_int8_kernel(extra_flags: tuple[str, ...] = ()):
+    """The same over an int8 cache (kv_quant.py's layout), from the same library; or None."""
+    lib = _build(SOURCE, [*FLAGS, *extra_flags])
+    return _bind(lib, "iterserve_decode_attention_int8", _DECODE_ARGS, _i32)
 
 
 @functools.cache
@@ -123,6 +134,7 @@ class Ops:
     silu_mul: object
     argmax_rows: object
     write_kv: object
+    write_kv_int8: object
 
 
 @functools.cache
@@ -134,7 +146,8 @@ def elementwise_ops(extra_flags: tuple[str, ...] = ()) -> Ops | None:
            _bind(lib, "iterserve_rope", [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p]),
            _bind(lib, "iterserve_silu_mul", [_i32, _p, _p, _i64, _i64]),
            _bind(lib, "iterserve_argmax_rows", [_i32, _p, _i64, _i64, _p]),
-           _bind(lib, "iterserve_write_kv", [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]))
+           _bind(lib, "iterserve_write_kv", [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
+           _bind(lib, "iterserve_write_kv_int8", [_i32, _p, _i64, _p, _i64, _p, _p, _p, _i64, _i32, _i32]))
     return Ops(*fns) if all(fns) else None
 
 
@@ -142,13 +155,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_threads: int, kernel=None, window: int = 0,
                      softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D] (each row's heads contiguous, rows any stride: a view into qkv) -> out [B, H, D]
-    contiguous; caches [num_blocks, block_size, Hkv, D]; tables/lens int32. window > 0: each query
-    sees its last `window` positions only; softcap > 0: scores = softcap * tanh(scores / softcap)."""
-    fn = kernel or decode_attention_kernel()
+    contiguous; caches [num_blocks, block_size, Hkv, D], or int8 [..., D + 4] (kv_quant.py), read as
+    they are; tables/lens int32. window > 0: each query sees its last `window` positions only;
+    softcap > 0: scores = softcap * tanh(scores / softcap). kernel: the function of the cache's kind."""
+    quantized = k_cache.dtype == torch.int8
+    fn = kernel or (decode_attention_int8_kernel() if quantized else decode_attention_kernel())
     b, h, d = q.shape
     if q.stride(2) != 1 or q.stride(1) != d:
         q = q.contiguous()
-    _, block_size, hkv, _ = k_cache.shape
+    _, block_size, hkv, width = k_cache.shape
+    assert width == d + (SCALE_BYTES if quantized else 0) and v_cache.dtype == k_cache.dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     out = q.new_empty(b, h, d)
@@ -225,3 +241,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     size = k.element_size()
     elementwise_ops().write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
                                v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d * size)
+
+
+def write_kv_int8(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """write_kv into int8 caches [num_blocks, block_size, Hkv, D + 4]: each row quantized as
+    kv_quant.quantize_kv does, byte for byte; k/v float32 or bfloat16."""
+    t, hkv, d = k.shape
+    assert k_cache.dtype == v_cache.dtype == torch.int8 and k_cache.shape[-1] == d + SCALE_BYTES
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
+    assert all(x.stride(1) == d and x.stride(2) == 1 for x in (k, v)) and slot_mapping.is_contiguous()
+    elementwise_ops().write_kv_int8(DTYPES[k.dtype], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                    k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv, d)

@@ -7,6 +7,9 @@
 // op-by-op code rounds, so they match it up to the last float bit of a sum or an exp (which can flip
 // a bf16 rounding now and then). Built with -ffp-contract=off: a fused multiply-add would round
 // differently from torch's separate ops.
+#include <algorithm>
+#include <cfloat>
+
 #include "cpu_common.h"
 
 namespace {
@@ -181,6 +184,35 @@ inline void write_kv(const char* k, int64_t k_stride, const char* v, int64_t v_s
     }
 }
 
+// One (token, kv head) into an int8 cache (--kv-cache-dtype int8, kv_quant.py): head_dim values
+// round(x / scale), scale = max(absmax / 127, FLT_MIN), then the scale's 4 bytes. The same float32
+// division and half-to-even rounding as torch's quantize_kv, so both write the same bytes.
+template <typename T>
+inline void quantize_head(const T* x, int head_dim, int8_t* out) {
+    float absmax = 0.f;
+    for (int d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(to_f32(x[d])));
+    const float scale = std::max(absmax / 127.f, FLT_MIN);
+    for (int d = 0; d < head_dim; ++d)
+        out[d] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(to_f32(x[d]) / scale))));
+    std::memcpy(out + head_dim, &scale, 4);
+}
+
+// write_kv into int8 caches [slots, heads, head_dim + 4]; k/v rows k_stride / v_stride elements apart.
+template <typename T>
+void write_kv_int8(const T* k, int64_t k_stride, const T* v, int64_t v_stride, int8_t* k_cache, int8_t* v_cache,
+                   const int64_t* slot_mapping, int64_t rows, int heads, int head_dim) {
+    const int64_t width = head_dim + 4, row = heads * width;
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim >= kParallelMin)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = slot_mapping[r];
+        if (slot < 0) continue;
+        for (int h = 0; h < heads; ++h) {
+            quantize_head(k + r * k_stride + h * head_dim, head_dim, k_cache + slot * row + h * width);
+            quantize_head(v + r * v_stride + h * head_dim, head_dim, v_cache + slot * row + h * width);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -197,6 +229,20 @@ void iterserve_write_kv(const void* k, int64_t k_stride, const void* v, int64_t 
                         void* v_cache, const int64_t* slot_mapping, int64_t rows, int64_t row_bytes) {
     write_kv(static_cast<const char*>(k), k_stride, static_cast<const char*>(v), v_stride, static_cast<char*>(k_cache),
              static_cast<char*>(v_cache), slot_mapping, rows, row_bytes);
+}
+
+// Strides in elements; dtype of k/v as below; caches int8 [slots, heads, head_dim + 4].
+void iterserve_write_kv_int8(int dtype, const void* k, int64_t k_stride, const void* v, int64_t v_stride,
+                             void* k_cache, void* v_cache, const int64_t* slot_mapping, int64_t rows, int heads,
+                             int head_dim) {
+    auto* kc = static_cast<int8_t*>(k_cache);
+    auto* vc = static_cast<int8_t*>(v_cache);
+    if (dtype == 0)
+        write_kv_int8(static_cast<const float*>(k), k_stride, static_cast<const float*>(v), v_stride, kc, vc,
+                      slot_mapping, rows, heads, head_dim);
+    else
+        write_kv_int8(static_cast<const uint16_t*>(k), k_stride, static_cast<const uint16_t*>(v), v_stride, kc, vc,
+                      slot_mapping, rows, heads, head_dim);
 }
 
 

@@ -325,11 +325,12 @@ def _real_kv_blocks(kw: dict) -> int:
     """The pool the real engine would size from kv_cache_memory, so both runs share one KV budget."""
     from iterserve.config import parse_bytes
     from iterserve.model.loader import default_model_path
-    from iterserve.sim.model_spec import get_model_spec
+    from iterserve.sim.model_spec import get_model_spec, with_kv_cache_dtype
     import torch
     from iterserve.executor.model_runner import pick_device, pick_dtype
     elem = torch.tensor([], dtype=pick_dtype(kw.get("dtype", "auto"), pick_device("auto"))).element_size()
-    spec = get_model_spec(kw.get("model") or default_model_path(), elem)
+    spec = with_kv_cache_dtype(get_model_spec(kw.get("model") or default_model_path(), elem),
+                               kw.get("kv_cache_dtype", "auto"))
     block = kw.get("block_size", 16) * spec.kv_bytes_per_token
     return num_blocks_for(parse_bytes(kw.get("kv_cache_memory") or CPU_KV_CACHE_MEMORY), block)
 

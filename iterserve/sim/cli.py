@@ -19,7 +19,7 @@ from iterserve.sim.cost_model import CostModel
 from iterserve.entrypoints.args import fail
 from iterserve.sim.executor import SimulatedExecutor, VirtualClock
 from iterserve.sim.hardware import PRESETS, get_hardware
-from iterserve.sim.model_spec import MODEL_PRESETS, get_model_spec
+from iterserve.sim.model_spec import MODEL_PRESETS, get_model_spec, with_kv_cache_dtype
 
 SIM_TARGETS = ("continuous", "static")
 
@@ -60,6 +60,7 @@ def make_executor(config: EngineConfig, model, hw, clock: VirtualClock | None = 
         raise ValueError("--speculative-method: the simulator does not model draft acceptance "
                          "(its tokens come from the trace); measure speculation on the real engine")
     c, sc = config.cache_config, config.scheduler_config
+    model = with_kv_cache_dtype(model, c.kv_cache_dtype)
     return SimulatedExecutor(model, hw, config.parallel_config.tensor_parallel_size, num_kv_blocks=c.num_kv_blocks,
                              block_size=c.block_size, gpu_memory_utilization=c.gpu_memory_utilization,
                              max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,

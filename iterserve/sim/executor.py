@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 
 from iterserve.config import CPU_KV_CACHE_MEMORY
-from iterserve.executor.base import KVCacheSpec, bytes_per_block, num_blocks_for
+from iterserve.executor.base import DTYPE_BYTES, KVCacheSpec, bytes_per_block, num_blocks_for
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.hardware import HardwareSpec
@@ -56,7 +56,7 @@ class SimulatedExecutor:
         self.model, self.hardware, self.tp = model, hardware, tp
         # Per device: under TP each GPU holds (and swaps) its share of the KV heads.
         kv_heads = -(-model.num_kv_heads // min(tp, model.num_kv_heads))
-        block_bytes = bytes_per_block(model.num_layers, block_size, kv_heads, model.head_dim, model.dtype_bytes)
+        block_bytes = bytes_per_block(model.num_layers, block_size, kv_heads, model.head_dim, model.kv_pool_dtype)
         if num_kv_blocks is None and hardware.kind == "cpu":  # the CPU engine's rule: a fixed byte budget
             num_kv_blocks = num_blocks_for(kv_cache_memory, block_bytes)
         num_kv_blocks = num_kv_blocks or self.cost.num_kv_blocks(
@@ -65,7 +65,7 @@ class SimulatedExecutor:
         chunk = min(max_num_batched_tokens, 2048)
         self.kv_cache_spec = KVCacheSpec(
             block_size, num_kv_blocks, int(swap_space // block_bytes), model.num_layers, kv_heads,
-            model.head_dim, _DTYPE_NAMES[model.dtype_bytes], swap_bytes_per_s=hardware.host_link_bandwidth,
+            model.head_dim, model.kv_pool_dtype, swap_bytes_per_s=hardware.host_link_bandwidth,
             recompute_tokens_per_s=chunk / self.cost.prefill_time(chunk))
         self.max_model_len = max_model_len or model.max_model_len
         self.clock = clock or VirtualClock()
@@ -91,8 +91,8 @@ class SimulatedExecutor:
     # P/D hand-off (sim/disagg.py): only the blocks' shape, hence their bytes, is modelled
     def read_blocks(self, block_ids: list[int]) -> "SimulatedBlocks":
         s = self.kv_cache_spec
-        return SimulatedBlocks((s.num_layers, 2, len(block_ids), s.block_size, s.num_kv_heads, s.head_dim),
-                               s.bytes_per_block // (2 * s.num_layers * s.block_size * s.num_kv_heads * s.head_dim))
+        return SimulatedBlocks((s.num_layers, 2, len(block_ids), s.block_size, s.num_kv_heads, s.head_width),
+                               DTYPE_BYTES[s.dtype])
 
     def write_blocks(self, block_ids: list[int], blocks: "SimulatedBlocks") -> None:
         assert blocks.shape[2] == len(block_ids), (blocks.shape, len(block_ids))
@@ -100,7 +100,8 @@ class SimulatedExecutor:
 
 @dataclass(frozen=True, slots=True)
 class SimulatedBlocks:
-    """Stands in for a request's KV blocks in [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+    """Stands in for a request's KV blocks in [layers, 2, blocks, block_size, kv_heads, head width]
+    (head_dim, or head_dim + 4 int8 elements with an int8 pool's scale)."""
 
     shape: tuple[int, ...]
     dtype_bytes: int
@@ -112,6 +113,3 @@ class SimulatedBlocks:
     def __getitem__(self, key: tuple) -> "SimulatedBlocks":
         """Only the engine's blocks[:, :, first:] is used: a slice along the block axis."""
         return replace(self, shape=(*self.shape[:2], len(range(self.shape[2])[key[2]]), *self.shape[3:]))
-
-
-_DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "int8"}

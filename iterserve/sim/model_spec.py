@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from iterserve.executor.base import bytes_per_block
+
 
 @dataclass(slots=True, frozen=True)
 class ModelSpec:
@@ -23,6 +25,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     gated_mlp: bool = True  # Llama's SwiGLU has three MLP matrices; OPT's ReLU MLP has two
     max_model_len: int = 4096
+    kv_dtype: str | None = None  # the KV pool's dtype (executor.base.DTYPE_BYTES); None: the weights' dtype
 
     @property
     def layer_params(self) -> int:
@@ -48,9 +51,23 @@ class ModelSpec:
         return self.num_params * self.dtype_bytes
 
     @property
+    def kv_pool_dtype(self) -> str:
+        return self.kv_dtype or _DTYPE_NAMES[self.dtype_bytes]
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers: 2 * layers * kv_heads * head_dim * bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of one token across all layers: 2 * layers * kv_heads * head_dim * bytes (+ an int8
+        pool's float32 scale per kv head)."""
+        return bytes_per_block(self.num_layers, 1, self.num_kv_heads, self.head_dim, self.kv_pool_dtype)
+
+
+_DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "int8"}
+
+
+def with_kv_cache_dtype(spec: ModelSpec, kv_cache_dtype: str) -> ModelSpec:
+    """The spec with an engine's --kv-cache-dtype applied (auto: the weights' dtype): its K/V bytes per
+    token, hence the pool's blocks and the K/V a step reads."""
+    return spec if kv_cache_dtype == "auto" else replace(spec, kv_dtype=kv_cache_dtype)
 
 
 def spec_from_arch(arch, name: str, dtype_bytes: int = 2) -> ModelSpec:
