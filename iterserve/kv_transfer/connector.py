@@ -3,8 +3,10 @@
 One interface, several transports (shm_connector.py: shared memory on one host; dist_connector.py:
 torch.distributed point-to-point). Blocks travel in the pool's native layout
 [layers, 2, blocks, block_size, kv_heads, head_dim], only the request's own, with the prefix hashes
-of its full blocks so the receiver's prefix cache learns them. Torch-free: a transport may carry
-any array-like; the executor's write_blocks reads it.
+of its full blocks so the receiver's prefix cache learns them. An int8 pool's rows are head_dim + 4
+int8 wide, each (token, kv head)'s float32 scale inline (model/kv_quant.py): the scales travel in
+the same tensor, and both engines must share --kv-cache-dtype (write_blocks refuses the other kind).
+Torch-free: a transport may carry any array-like; the executor's write_blocks reads it.
 """
 from __future__ import annotations
 
