@@ -19,6 +19,7 @@ from iterserve.engine.diagnostics import (
 from iterserve.config import CacheConfig, SchedulerConfig
 from iterserve.entrypoints.args import HelpFormatter, add_config_args, config_from_args, fail
 from iterserve.sim.hardware import HardwareSpec
+from iterserve.sim.model_spec import with_kv_cache_dtype
 from iterserve.sim.tune import parse_seconds
 from iterserve.sim.whatif import SimulatorWhatIf
 
@@ -106,7 +107,8 @@ def diagnose_report(report: dict, args: argparse.Namespace) -> None:
     for target in targets:
         base = {k: v for k, v in engine.items() if k not in ("model", "max_num_seqs", "max_num_batched_tokens")}
         whatif = SimulatorWhatIf(model, hw, {**base, "model": model.name})
-        bpb = model.kv_bytes_per_token * (engine.get("block_size") or DEFAULT_BLOCK_SIZE)
+        kv = with_kv_cache_dtype(model, engine.get("kv_cache_dtype") or "auto")  # the report's own pool
+        bpb = kv.kv_bytes_per_token * (engine.get("block_size") or DEFAULT_BLOCK_SIZE)
         diag = diagnostics_of(target, engine, slo, whatif, bpb)
         found = diag.evaluate(max(target.get("duration_s") or 0.0, 0.0))
         print(f"{target['name']}: {len(found)} diagnostic{'s' if len(found) != 1 else ''} "
