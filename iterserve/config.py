@@ -131,7 +131,8 @@ class SpeculativeConfig:
 
     speculative_method: Literal["ngram"] | None = _help(
         "ngram: draft the tokens that followed the latest earlier occurrence of the sequence's last n tokens "
-        "(greedy requests without logprobs, penalties, bias or a grammar); default: off", default=None)
+        "(requests without logprobs, penalties, bias, a grammar, or a seed with temperature > 0); default: off",
+        default=None)
     num_speculative_tokens: int = _help("most draft tokens per request per step", default=4, ge=1, le=64)
     prompt_lookup_max: int = _help("longest n-gram looked up", default=4, ge=1, le=64)
     prompt_lookup_min: int = _help("shortest n-gram looked up", default=2, ge=1, le=64)

@@ -4,8 +4,9 @@ After a request's token is sampled, the proposer looks for the most recent earli
 request's last n tokens (n from prompt_lookup_max down to prompt_lookup_min) in its prompt + output,
 and proposes the up to k tokens that followed it there. The scheduler schedules those drafts with
 the request's own token (the one rule: num_tokens + drafts - num_computed_tokens new tokens), the
-model runner computes logits at every one of them and keeps the longest prefix the target's greedy
-choice agrees with, plus the target's own token after it (docs/performance.md).
+model runner computes logits at every one of them and keeps the longest prefix the model agrees with
+(greedy: its argmax; random: rejection sampling), plus the model's own token after it
+(docs/performance.md).
 
 Plain Python over token ids, no torch: the engine calls it between steps.
 """
@@ -53,13 +54,15 @@ def _latest_earlier(hay: bytes, num_tokens: int, n: int) -> int | None:
 
 
 def draftable(params: SamplingParams, num_output_tokens: int) -> bool:
-    """Whether drafts for this request verify to exactly what one-token decoding produces.
+    """Whether drafts for this request verify to what one-token decoding produces: the same tokens
+    (greedy), or tokens of the same distribution (random sampling, by rejection sampling).
 
-    Only greedy requests with no per-token state are drafted: verification compares each draft with
-    the target's argmax at its position, so anything that changes the logits from one output position
-    to the next (penalties, logit_bias, min_tokens still banning stop tokens, a grammar's bitmask) or
-    reports per token (logprobs, prompt logprobs) would need its own per-position bookkeeping.
-    Random sampling would need rejection sampling. These requests decode one token a step, as before."""
-    return (params.temperature == 0.0 and params.logprobs is None and params.prompt_logprobs is None
-            and params.structured_outputs is None and not params.has_penalties and not params.logit_bias
-            and num_output_tokens >= params.min_tokens)
+    Requests with per-token state are not drafted: each draft row is verified with the same logits
+    processing, so anything that changes the logits from one output position to the next (penalties,
+    logit_bias, min_tokens still banning stop tokens, a grammar's bitmask) or reports per token
+    (logprobs, prompt logprobs) would need its own per-position bookkeeping. Nor are seeded random
+    requests: how many drafts a step verifies depends on the batch (the token budget), so their draws,
+    and their output, would too. These requests decode one token a step, as before."""
+    return ((params.temperature == 0.0 or params.seed is None) and params.logprobs is None
+            and params.prompt_logprobs is None and params.structured_outputs is None and not params.has_penalties
+            and not params.logit_bias and num_output_tokens >= params.min_tokens)

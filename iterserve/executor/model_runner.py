@@ -23,7 +23,7 @@ from iterserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from iterserve.executor.base import KVCacheSpec, kv_head_width, num_blocks_for
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.logits_processors import make_adjust
-from iterserve.executor.sampler import make_batch, prompt_logprobs, sample
+from iterserve.executor.sampler import make_batch, prompt_logprobs, sample, verify_random_drafts
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model import weight_cache
@@ -311,9 +311,9 @@ class ModelRunner:
         return (torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), self.kv_cache, md, logits_indices)
 
     def _sample(self, plan: SchedulerOutput, logits: torch.Tensor):
-        """(token per request, logprobs, prompt logprobs, accepted drafts). A request with drafts samples
-        a row for its last own token and one per draft, each as a one-token step would (drafted requests
-        are greedy and position-free: engine/spec_decode.py), and keeps the drafts its rows agree with."""
+        """(token per request, logprobs, prompt logprobs, accepted drafts). A request with drafts has a row
+        for its last own token and one per draft, each processed as a one-token step would be (drafted
+        requests have no position-dependent processing: engine/spec_decode.py); then the drafts are verified."""
         scheduled = plan.scheduled
         prompt_lps, nrows = None, _logits_rows(scheduled)
         if nrows is not None:  # keep each request's sampling rows: its last one, or 1 + its drafts
@@ -325,29 +325,33 @@ class ModelRunner:
             return sampled, None, prompt_lps, None
         widths = [r.num_draft_tokens + 1 for r in scheduled]
         reqs = [scheduled[i] for i in rows for _ in range(widths[i])]
-        tokens, lps = self._sample_rows(reqs, logits, _row_index(widths, rows))
+        index = _row_index(widths, rows)
+        sel = logits if index is None else logits[torch.tensor(index, device=logits.device)]
+        tokens, lps = self._sample_rows(reqs, sel)
         logprobs = [None] * len(scheduled) if lps is not None else None
         accepted = [[] for _ in scheduled] if len(reqs) > len(rows) else None
+        verified = _verify_random(scheduled, rows, widths, sel) if accepted is not None else {}
         j = 0
         for i in rows:
             w = widths[i]
-            a = _num_accepted(scheduled[i], tokens[j:j + w]) if w > 1 else 0
-            sampled[i] = tokens[j + a]  # the model's own token: after all drafts, or instead of the first wrong one
+            if i in verified:
+                a, sampled[i] = verified[i]
+            else:
+                a, sampled[i] = _verify_greedy(_drafts(scheduled[i]), tokens[j:j + w])
             if accepted is not None:
-                accepted[i] = tokens[j:j + a]
+                accepted[i] = _drafts(scheduled[i])[:a]
             if lps is not None:
                 logprobs[i] = lps[j + w - 1]  # drafted requests ask for none: w is 1 where this is set
             j += w
         return sampled, logprobs, prompt_lps, accepted
 
-    def _sample_rows(self, reqs: list[ScheduledRequest], logits: torch.Tensor, index: list[int] | None):
-        """Sample logits[index] (all rows if None), row k with reqs[k]'s parameters."""
+    def _sample_rows(self, reqs: list[ScheduledRequest], sel: torch.Tensor):
+        """Sample row k of `sel` with reqs[k]'s parameters."""
         gens = [self._generator(r) for r in reqs]
-        vocab = logits.shape[-1]
+        vocab = sel.shape[-1]
         allowed = self._structured(reqs)
-        batch = make_batch([r.sampling_params for r in reqs], gens, vocab, logits.device,
-                           make_adjust(reqs, self.eos_token_ids, vocab, logits.device, allowed))
-        sel = logits if index is None else logits[torch.tensor(index, device=logits.device)]
+        batch = make_batch([r.sampling_params for r in reqs], gens, vocab, sel.device,
+                           make_adjust(reqs, self.eos_token_ids, vocab, sel.device, allowed))
         tokens, lps = sample(sel, batch)
         if allowed is not None:
             self._matchers.accept(reqs, tokens, allowed[1])
@@ -408,13 +412,31 @@ def _row_index(widths: list[int], rows: list[int]) -> list[int] | None:
     return [starts[i] + k for i in rows for k in range(widths[i])]
 
 
-def _num_accepted(r: ScheduledRequest, targets: list[int]) -> int:
-    """Greedy verification: the drafts up to the first that differs from the model's choice there."""
-    drafts = r.token_ids[len(r.token_ids) - r.num_draft_tokens:]
+def _drafts(r: ScheduledRequest) -> list[int]:
+    return r.token_ids[len(r.token_ids) - r.num_draft_tokens:]
+
+
+def _verify_greedy(drafts: list[int], targets: list[int]) -> tuple[int, int]:
+    """(drafts accepted, the model's own token after them): the drafts up to the first that differs from
+    the argmax there (`targets`: each row's one-token sample; one row without drafts), then that argmax."""
     a = 0
     while a < len(drafts) and drafts[a] == targets[a]:
         a += 1
-    return a
+    return a, targets[a]
+
+
+def _verify_random(scheduled: list[ScheduledRequest], rows: list[int], widths: list[int],
+                   sel: torch.Tensor) -> dict[int, tuple[int, int]]:
+    """Drafted requests that sample at temperature > 0: rejection sampling over their rows of `sel`, all
+    in one batch, so each token has the distribution a one-token step would draw it from."""
+    offsets = np.cumsum([0] + [widths[i] for i in rows]).tolist()
+    pick = [(i, o) for i, o in zip(rows, offsets) if widths[i] > 1 and scheduled[i].sampling_params.temperature]
+    if not pick:
+        return {}
+    index = torch.tensor([o + k for i, o in pick for k in range(widths[i])], device=sel.device)
+    params = [scheduled[i].sampling_params for i, _ in pick for _ in range(widths[i])]
+    results = verify_random_drafts(sel[index], params, [_drafts(scheduled[i]) for i, _ in pick])
+    return {i: r for (i, _), r in zip(pick, results)}
 
 
 def _prompt_logprobs(reqs: list[ScheduledRequest], nrows: list[int], logits: torch.Tensor):

@@ -74,6 +74,39 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[list[int], list[
     return token_list, _logprobs(raw, tokens, batch) if batch.max_logprobs >= 0 else None
 
 
+def verify_random_drafts(logits: torch.Tensor, params: list[SamplingParams],
+                         drafts: list[list[int]]) -> list[tuple[int, int]]:
+    """Rejection sampling of one-hot drafts (speculative decoding at temperature > 0), for a batch.
+
+    logits: per request, len(drafts) + 1 consecutive rows (its last own token's, then each draft's);
+    params: per row. Row j's distribution p_j is what a one-token step would sample from (temperature,
+    top-k, top-p, min-p). Draft j is accepted with probability p_j(draft j); at the first rejection the
+    token is drawn from p_j with the draft removed and renormalized, or after all drafts from the last
+    row: each emitted token then has exactly p_j's distribution (Leviathan et al. 2023, with a one-hot
+    draft distribution). Returns per request (drafts accepted, the token after them)."""
+    probs = _filtered_probs(logits.float(), make_batch(params, [None] * len(params), logits.shape[-1], logits.device))
+    starts = [0]
+    for d in drafts:
+        starts.append(starts[-1] + len(d) + 1)
+    rows = [s + k for s, d in zip(starts, drafts) for k in range(len(d))]
+    ids = [t for d in drafts for t in d]
+    dev = probs.device
+    p_draft = probs[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)]
+    accept = (torch.rand(len(ids), device=dev) < p_draft).tolist()
+    accepted, at = [], 0
+    for d in drafts:
+        run = accept[at:at + len(d)]
+        accepted.append(run.index(False) if False in run else len(d))
+        at += len(d)
+    dist = probs[torch.tensor([s + a for s, a in zip(starts, accepted)], device=dev)]
+    rejected = [(k, d[a]) for k, (d, a) in enumerate(zip(drafts, accepted)) if a < len(d)]
+    if rejected:  # a rejected draft had p < 1, so the rest of its row has mass left
+        rk, rt = zip(*rejected)
+        dist[torch.tensor(rk, device=dev), torch.tensor(rt, device=dev)] = 0.0
+    tokens = torch.multinomial(dist / dist.sum(-1, keepdim=True), 1)[:, 0].tolist()
+    return list(zip(accepted, tokens))
+
+
 def _filtered_probs(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     x = logits / b.temperature
     if b.top_k is not None or b.top_p is not None:

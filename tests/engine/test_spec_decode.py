@@ -13,6 +13,7 @@ from iterserve.engine import Engine
 from iterserve.engine.spec_decode import NgramProposer, draftable
 from iterserve.entrypoints.args import add_engine_args, config_from_args
 from iterserve.executor.model_runner import ModelRunner
+from iterserve.executor.sampler import verify_random_drafts
 from iterserve.model.loader import load_model_arch, load_weights
 from iterserve.sampling_params import SamplingParams, StructuredOutputs
 from tests.engine.test_greedy_reference import PROMPT_LENS, TEXT
@@ -61,7 +62,9 @@ def test_proposer_matches_a_brute_force_search(tokens, k, lo, span):
 
 def test_who_is_drafted():
     assert draftable(SamplingParams(temperature=0), 0)
-    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=0),
+    assert draftable(SamplingParams(temperature=0.7, top_p=0.9), 0)
+    assert draftable(SamplingParams(temperature=0, seed=3), 0)  # greedy: the seed draws nothing
+    for params in (SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0, logprobs=0),
                    SamplingParams(temperature=0, prompt_logprobs=0),
                    SamplingParams(temperature=0, presence_penalty=1),
                    SamplingParams(temperature=0, repetition_penalty=1.1),
@@ -70,6 +73,28 @@ def test_who_is_drafted():
         assert not draftable(params, 5)
     assert not draftable(SamplingParams(temperature=0, min_tokens=3), 2)
     assert draftable(SamplingParams(temperature=0, min_tokens=3), 3)
+
+
+def test_rejection_sampling_keeps_each_positions_distribution():
+    """Emitted tokens (accepted drafts, then the model's own) are distributed as one-token sampling would
+    draw them: the first as p_0; the second, given the first was draft 0, as p_1. One batch of many
+    copies of the same request: the verifier draws for each independently."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=4)
+    probs = torch.softmax(logits / 0.8, -1)
+    probs[probs < probs.topk(4, -1).values[:, -1:]] = 0
+    probs /= probs.sum(-1, keepdim=True)
+    drafts = [int(probs[0].argmax()), int(probs[1].argmin())]  # the second has p = 0: always rejected
+    n, first, second = 20000, torch.zeros(6), torch.zeros(6)
+    for a, token in verify_random_drafts(logits.repeat(n, 1), [params] * (3 * n), [drafts] * n):
+        emitted = drafts[:a] + [token]
+        first[emitted[0]] += 1
+        if emitted[0] == drafts[0]:
+            second[emitted[1]] += 1
+    assert (first / n - probs[0]).abs().max() < 0.02
+    assert (second / second.sum() - probs[1]).abs().max() < 0.025
+    assert second[drafts[1]] == 0
 
 
 # ---- flags ---------------------------------------------------------------------------------------
@@ -159,6 +184,18 @@ def test_tiny_model_mixed_batch(tiny_runner):
         assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
         assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
     assert engine.stats.num_spec_accepted_tokens > 0
+
+
+def test_tiny_model_random_sampling_with_drafts(tiny_runner):
+    """Unseeded random requests are drafted and verified by rejection sampling: some drafts are
+    accepted, some rejected, and every request still gets exactly max_tokens tokens."""
+    greedy, _ = run(tiny_runner, tiny_prompts()[:1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    prompt = tiny_prompts()[0] + greedy[0].token_ids  # the model's own continuation: drafts it likes
+    params = SamplingParams(max_tokens=12, temperature=0.5, top_k=5, ignore_eos=True)
+    outs, engine = run(tiny_runner, [tiny_prompts()[0]] * 2 + [prompt] * 30, params, **SPEC)
+    assert all(len(o.token_ids) == 12 for o in outs)
+    s = engine.stats
+    assert 0 < s.num_spec_accepted_tokens < s.num_spec_draft_tokens
 
 
 def test_tiny_model_through_preemption(tiny_runner):
