@@ -139,6 +139,70 @@ def _error_output(request_id: str, error: str, last: RequestOutput | None = None
     return replace(last, new_token_ids=[], new_text="", finished=True, finish_reason="error", error=error)
 
 
+class PDRoutes:
+    """The front's bookkeeping, apart from the processes: which engines each unfinished request was
+    routed to, which one holds it now, and the two routers' counts of what is in flight."""
+
+    def __init__(self) -> None:
+        self.prefill_router, self.decode_router = PrefixAffinityRouter(), LeastKVRouter()
+        self.stage: dict[str, str] = {}  # unfinished request -> the engine that holds it
+        self.route: dict[str, tuple[str, str]] = {}  # unfinished request -> (its prefill, its decode engine)
+        self.last: dict[str, RequestOutput] = {}
+        self.early: dict[str, list[tuple[str, RequestOutput]]] = {}  # decode outputs that beat the prefill's
+
+    def choose(self, request_id: str, hashes: list[bytes], prefill_loads: dict[str, ReplicaLoad],
+               decode_loads: dict[str, ReplicaLoad]) -> tuple[str, str]:
+        """(prefill engine, decode engine) among the live ones given, by prefix affinity and least KV usage."""
+        prefill = self.prefill_router.choose(hashes, prefill_loads)
+        decode = self.decode_router.choose(hashes, decode_loads)
+        self.prefill_router.on_routed(prefill, hashes)
+        self.decode_router.on_routed(decode, hashes)
+        self.stage[request_id], self.route[request_id] = prefill, (prefill, decode)
+        return prefill, decode
+
+    def on_output(self, name: str, out: RequestOutput) -> list[RequestOutput]:
+        """What engine `name`'s output for a request gives its stream, in order (maybe nothing yet)."""
+        rid = out.request_id
+        held = self.stage.get(rid)
+        if held is None:
+            return []  # already ended here (aborted, or an engine of its died)
+        prefill, decode = self.route[rid]
+        if name == decode and held == prefill:  # its decode engine reported before its prefill engine did
+            self.early.setdefault(rid, []).append((name, out))
+            return []
+        if out.finished:
+            self.end(rid)
+            return [out]
+        self.last[rid] = out
+        if name != prefill or held != prefill:
+            return [out]
+        self.stage[rid] = decode  # its blocks are on their way
+        self.prefill_router.on_finished(prefill)
+        return [out] + [o for n, early in self.early.pop(rid, []) for o in self.on_output(n, early)]
+
+    def end(self, rid: str) -> tuple[str, str]:
+        """Forget a request that ended (finished, failed, aborted): the routers count it no more.
+        Returns its (prefill, decode) engines."""
+        held = self.stage.pop(rid, None)
+        prefill, decode = self.route.pop(rid)
+        self.last.pop(rid, None)
+        self.early.pop(rid, None)
+        if held == prefill:
+            self.prefill_router.on_finished(prefill)
+        self.decode_router.on_finished(decode)
+        return prefill, decode
+
+    def routed_to(self, name: str) -> list[str]:
+        """The requests an engine's death ends: a decode engine's are those routed to it, in either
+        stage; a prefill engine's, those it still holds (the rest are already on a decode engine)."""
+        return [r for r, route in self.route.items() if self.stage[r] == name or route[1] == name]
+
+    def forget(self, name: str) -> None:
+        """A dead engine: neither router counts or chooses it again (its requests end with end())."""
+        self.prefill_router.forget(name)
+        self.decode_router.forget(name)
+
+
 class PDEngines:
     """The front of x prefill and y decode processes. Not thread-safe: one caller drives it."""
 
@@ -175,12 +239,8 @@ class PDEngines:
             self.procs[name] = ctx.Process(target=_worker, name=f"iterserve-{name}", daemon=True, args=(
                 name, self.engine_config, transport, channels, init_method, self.inbox[name], self.outbox))
             self.procs[name].start()
-        self.prefill_router, self.decode_router = PrefixAffinityRouter(), LeastKVRouter()
+        self.routes = PDRoutes()
         self.loads: dict[str, ReplicaLoad] = {}  # each engine's latest report, as the routers read it
-        self.stage: dict[str, str] = {}  # unfinished request -> the engine that holds it
-        self.route: dict[str, tuple[str, str]] = {}  # unfinished request -> (its prefill, its decode engine)
-        self.last: dict[str, RequestOutput] = {}
-        self.early: dict[str, list[tuple[str, RequestOutput]]] = {}  # decode outputs that beat the prefill's
         self.dead: set[str] = set()  # engines found dead (their requests ended)
         self.tokenizer = None
         self._stats: dict[str, EngineStats] = {}
@@ -200,16 +260,12 @@ class PDEngines:
         params = params or SamplingParams()
         params.validate()
         check_pd_params(params)
-        if not request_id or request_id in self.stage:
+        if not request_id or request_id in self.routes.stage:
             raise ValueError(f"request id {request_id!r} is empty or already in use")
         token_ids = self.encode(prompt)
         hashes = prompt_block_hashes(token_ids, self.block_size, cache_salt)
-        prefill_live, decode_live = self._live(self.prefill_names), self._live(self.decode_names)
-        prefill = self.prefill_router.choose(hashes, prefill_live)
-        decode = self.decode_router.choose(hashes, decode_live)
-        self.prefill_router.on_routed(prefill, hashes)
-        self.decode_router.on_routed(decode, hashes)
-        self.stage[request_id], self.route[request_id] = prefill, (prefill, decode)
+        prefill, decode = self.routes.choose(request_id, hashes, self._live(self.prefill_names),
+                                             self._live(self.decode_names))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.inbox[prefill].put(("add", request_id, token_ids, params, arrival, priority, cache_salt, decode))
         return request_id
@@ -223,16 +279,14 @@ class PDEngines:
 
     def abort(self, request_id: str) -> None:
         """Forgotten here at once; both its engines are told, since its blocks may be between them."""
-        route = self.route.get(request_id)
-        if route is None:
+        if request_id not in self.routes.route:
             return
-        self._end(request_id)
-        for name in route:
+        for name in self.routes.end(request_id):
             if self.procs[name].is_alive():
                 self.inbox[name].put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return bool(self.stage)
+        return bool(self.routes.stage)
 
     def get_outputs(self, timeout: float = 0.1) -> list[RequestOutput]:
         """Outputs since the last call (waiting up to `timeout` for the first)."""
@@ -318,11 +372,11 @@ class PDEngines:
                 batch, stats = payload
                 self._report(name, stats)
                 for out in batch:
-                    outputs.extend(self._route(name, out))
+                    outputs.extend(self.routes.on_output(name, out))
             elif kind == "rejected":
                 request_id, error = payload
-                if request_id in self.route:
-                    self._end(request_id)
+                if request_id in self.routes.route:
+                    self.routes.end(request_id)
                     outputs.append(_error_output(request_id, error))
             elif kind in ("stats", "ready"):
                 self._report(name, payload)
@@ -335,35 +389,6 @@ class PDEngines:
         self._stats[name] = stats
         self.loads[name] = ReplicaLoad(stats.num_running, stats.num_queued, stats.kv_usage)
 
-    def _route(self, name: str, out: RequestOutput) -> list[RequestOutput]:
-        rid = out.request_id
-        held = self.stage.get(rid)
-        if held is None:
-            return []  # already ended here (aborted, or an engine of its died)
-        prefill, decode = self.route[rid]
-        if name == decode and held == prefill:  # its decode engine reported before its prefill engine did
-            self.early.setdefault(rid, []).append((name, out))
-            return []
-        if out.finished:
-            self._end(rid)
-            return [out]
-        self.last[rid] = out
-        if name != prefill or held != prefill:
-            return [out]
-        self.stage[rid] = decode  # its blocks are on their way
-        self.prefill_router.on_finished(prefill)
-        return [out] + [o for n, early in self.early.pop(rid, []) for o in self._route(n, early)]
-
-    def _end(self, rid: str) -> None:
-        """Forget a request that ended (finished, failed, aborted): the routers count it no more."""
-        held = self.stage.pop(rid, None)
-        prefill, decode = self.route.pop(rid)
-        self.last.pop(rid, None)
-        self.early.pop(rid, None)
-        if held == prefill:
-            self.prefill_router.on_finished(prefill)
-        self.decode_router.on_finished(decode)
-
     def _check_deaths(self) -> list[RequestOutput]:
         """An engine found dead: the requests routed to it end with an error naming it, nothing else."""
         failed = []
@@ -372,18 +397,14 @@ class PDEngines:
                 continue
             self.dead.add(name)
             logger.warning("the %s engine died (exit code %s)", name, proc.exitcode)
+            self.routes.forget(name)
             if name in self.decode_names:
-                self.decode_router.forget(name)
                 for prefill in self.prefill_names:  # their hand-offs to it fail at once, freeing the blocks
                     if prefill not in self.dead:
                         self.inbox[prefill].put(("dead", name))
-            else:
-                self.prefill_router.forget(name)
             error = f"the {name} engine died (exit code {proc.exitcode}) while generating this request"
-            # a decode engine's requests are those routed to it, in either stage; a prefill engine's,
-            # those it still holds (the rest are already on a decode engine)
-            for rid in [r for r, route in self.route.items() if self.stage[r] == name or route[1] == name]:
-                last = self.last.get(rid)
+            for rid in self.routes.routed_to(name):
+                last = self.routes.last.get(rid)
                 self.abort(rid)  # its other engine drops it: blocks still being prefilled, or on their way
                 failed.append(_error_output(rid, error, last))
         return failed

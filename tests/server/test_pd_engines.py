@@ -11,7 +11,10 @@ import pytest
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.sampling_params import SamplingParams
-from iterserve.server.pd_engines import PDEngines
+from iterserve.outputs import RequestOutput
+from iterserve.request import RequestTimes
+from iterserve.router.policy import ReplicaLoad
+from iterserve.server.pd_engines import PDEngines, PDRoutes
 from tests.engine.test_disagg import CONFIG, NEW_TOKENS, prompts  # noqa: F401
 from tests.engine.test_greedy_reference import generate
 from tests.engine.test_greedy_reference import prompts as reference_prompts  # noqa: F401
@@ -56,11 +59,39 @@ def one_at_a_time(pd: PDEngines, prompts) -> tuple[list[list[int]], list[tuple[s
     tokens, routes = [], []
     for i, p in enumerate(prompts):
         pd.add_request(p, GREEDY, str(i))
-        routes.append(pd.route[str(i)])
+        routes.append(pd.routes.route[str(i)])
         out = run_until_finished(pd, [str(i)])[str(i)]
         assert out.error is None and out.finish_reason == "length"
         tokens.append(out.token_ids)
     return tokens, routes
+
+
+def output(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    return RequestOutput(rid, [1, 2, 3], tokens, "", tokens[-1:], "", finished, "length" if finished else None,
+                         RequestTimes(0.0))
+
+
+def test_front_routes_keep_each_stream_in_order_and_a_death_ends_only_its_requests():
+    """The front's bookkeeping, without processes: two decode engines chosen in turn (equal KV usage,
+    ties by what is in flight); a decode output that beats its prefill output waits for it; a dead
+    decode engine's requests are those routed to it in either stage; the routers' counts end at zero."""
+    routes = PDRoutes()
+    prefill, decode = {"prefill-0": ReplicaLoad()}, {"decode-0": ReplicaLoad(), "decode-1": ReplicaLoad()}
+    assert routes.choose("a", [], prefill, decode) == ("prefill-0", "decode-0")
+    assert routes.choose("b", [], prefill, decode) == ("prefill-0", "decode-1")
+    second = output("a", [7, 8])
+    assert routes.on_output("decode-0", second) == []
+    first = output("a", [7])
+    assert routes.on_output("prefill-0", first) == [first, second]
+    assert routes.stage == {"a": "decode-0", "b": "prefill-0"}
+    assert routes.routed_to("decode-1") == ["b"] and routes.routed_to("prefill-0") == ["b"]
+    assert routes.end("b") == ("prefill-0", "decode-1")
+    routes.forget("decode-1")
+    assert routes.on_output("prefill-0", output("b", [5])) == [], "an ended request's late output is dropped"
+    done = output("a", [7, 8, 9], finished=True)
+    assert routes.on_output("decode-0", done) == [done] and not routes.stage and not routes.route
+    counts = {**routes.prefill_router.in_flight, **routes.decode_router.in_flight}
+    assert all(v == 0 for v in counts.values()), counts
 
 
 def test_1p1d_dist_token_identical_to_colocated(prompts):
@@ -89,7 +120,7 @@ def test_2p1d_token_identical_and_prefill_engine_by_prefix_affinity(prompts, ref
         route = {}
         for rid, p in (("fresh", fresh), ("other", other), ("other+", other[:200] + tail), ("x+", prompts[2] + tail)):
             pd.add_request(p, GREEDY, rid)
-            route[rid] = pd.route[rid][0]
+            route[rid] = pd.routes.route[rid][0]
         assert route["fresh"] != route["other"], "a new prefix goes to the least-loaded prefill engine"
         assert route["other+"] == route["other"], "a shared prefix follows the engine that has it"
         assert route["x+"] == home
@@ -109,7 +140,7 @@ def test_decode_engine_killed_mid_stream_ends_only_its_requests(prompts):
     try:
         pd.add_request(prompts[0], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True), "a")
         pd.add_request(prompts[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "b")
-        victim, survivor = pd.route["a"][1], pd.route["b"][1]
+        victim, survivor = pd.routes.route["a"][1], pd.routes.route["b"][1]
         assert {victim, survivor} == {"decode-0", "decode-1"}
         streamed, ended, deadline = {"a": 0, "b": 0}, {}, time.monotonic() + 240
         while min(streamed.values()) < 2:  # both are decoding (the prefill side gives one token)
@@ -123,7 +154,7 @@ def test_decode_engine_killed_mid_stream_ends_only_its_requests(prompts):
         assert finished_with_error(ended["a"], victim)
         assert ended["b"].error is None and len(ended["b"].token_ids) == 40
         pd.add_request(prompts[2], GREEDY, "late")
-        assert pd.route["late"][1] == survivor, "the router never chooses a dead decode engine"
+        assert pd.routes.route["late"][1] == survivor, "the router never chooses a dead decode engine"
         late = run_until_finished(pd, ["late"])["late"]
         assert late.error is None and len(late.token_ids) == NEW_TOKENS
         assert pd.procs["prefill-0"].is_alive() and pd.procs[survivor].is_alive()
