@@ -109,6 +109,34 @@ def table(name: str, trace, done) -> list[dict]:
     return rows
 
 
+def simulated(args, trace) -> list[dict]:
+    """The same trace through the simulator: colocated priced by --sim-profile (calibrated with --cores
+    threads), the P/D engines by --sim-pd-profile (one engine's threads, calibrated beside a second
+    calibration, as the engines run beside each other), the KV hand-off at the host link's bandwidth."""
+    from iterserve.bench.workload import Trace, TraceRequest
+    from iterserve.sim.cli import make_engine, resolve, simulate_trace
+    from iterserve.sim.disagg import run_disagg
+
+    def requests() -> Trace:
+        return Trace([TraceRequest(str(i), len(ids), n, t, ids) for i, (t, _, ids, n) in enumerate(trace)])
+
+    def spec(path: str):
+        return resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=path, dtype_bytes=None, model=None))
+    sim_config = EngineConfig(**config(args), model=None)
+    model, hw = spec(args.sim_profile)
+    rows = sim_table(f"sim colocated ({args.cores} cores)", trace, simulate_trace(requests(), sim_config, model, hw))
+    model, hw = spec(args.sim_pd_profile or args.sim_profile)
+    x, y = parse_pd(args.pd)
+    result = run_disagg(lambda: make_engine(sim_config, model, hw), x, y, requests(), hw.host_link_bandwidth)
+    return rows + sim_table(f"sim {args.pd.upper()}", trace, result)
+
+
+def sim_table(name: str, trace, result) -> list[dict]:
+    by_id = {m.request_id: m for m in result.requests}
+    done = {str(i): argparse.Namespace(times=by_id[str(i)]) for i in range(len(trace))}
+    return table(name, trace, done)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
@@ -126,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-blocks", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--sim-profile", default=None, help="also simulate both targets: a cpu-local profile "
+                   "(`iterserve calibrate --num-threads CORES`) for colocated")
+    p.add_argument("--sim-pd-profile", default=None, help="the profile for one P/D engine (calibrated with its "
+                   "threads while a second calibration runs beside it; default: --sim-profile)")
     args = p.parse_args(argv)
     trace = make_trace(args)
     print(f"$ python benchmarks/pd_mixed.py {shlex.join(sys.argv[1:] if argv is None else argv)}")
@@ -133,15 +165,26 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(r[1] == 'long' for r in trace)} prompts of {args.long_len} tokens, over {args.duration:.0f} s")
     rows = table(f"colocated ({args.cores} cores)", trace, run_colocated(args, trace))
     rows += table(f"{args.pd.upper()} ({pd_threads(args)} core each, {args.transport})", trace, run_pd(args, trace))
+    if args.sim_profile:  # rows in the real rows' order, so each is compared with its twin
+        for real, sim in zip(list(rows), simulated(args, trace)):
+            sim["err_tpot_p99"] = _err(sim["tpot_p99_s"], real["tpot_p99_s"])
+            sim["err_ttft_mean"] = _err(sim["ttft_mean_s"], real["ttft_mean_s"])
+            rows.append(sim)
     ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
-    print(f"{'target':<32} {'kind':<5} {'n':>4} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12} {'TTFT mean ms':>13}")
+    pct = lambda v: "" if v is None else f"{v:+.1%}"  # noqa: E731
+    print(f"{'target':<32} {'kind':<5} {'n':>4} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12} {'TTFT mean ms':>13}"
+          + (f"{'sim err p99':>13}{'sim err TTFT':>14}" if args.sim_profile else ""))
     for r in rows:
         print(f"{r['target']:<32} {r['kind']:<5} {r['n']:>4} {ms(r['tpot_p50_s']):>12} {ms(r['tpot_p99_s']):>12} "
-              f"{ms(r['ttft_mean_s']):>13}")
+              f"{ms(r['ttft_mean_s']):>13}{pct(r.get('err_tpot_p99')):>13}{pct(r.get('err_ttft_mean')):>14}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=2)
     return 0
+
+
+def _err(sim: float | None, real: float | None) -> float | None:
+    return None if sim is None or not real else (sim - real) / real
 
 
 if __name__ == "__main__":
