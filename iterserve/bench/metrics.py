@@ -7,6 +7,7 @@ requests per second that meet every given SLO.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 
@@ -75,8 +76,8 @@ class TargetResult:
     extra: dict = field(default_factory=dict)  # target-specific notes (approximations, settings)
 
 
-def stats(values: list[float]) -> dict[str, float | None]:
-    if not values:
+def stats(values: list[float] | np.ndarray) -> dict[str, float | None]:
+    if len(values) == 0:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "std": None, "max": None}
     a = np.asarray(values, dtype=np.float64)
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
@@ -86,7 +87,7 @@ def stats(values: list[float]) -> dict[str, float | None]:
 
 def batch_size(step: StepRecord) -> int:
     """Requests that did work in the step (static mode's padding rows are not in either list)."""
-    return len(set(step.prefill_ids) | set(step.decode_ids))
+    return len({*step.prefill_ids, *step.decode_ids})
 
 
 def summarize(result: TargetResult, slo: Slo | None = None, per_request: bool = True) -> dict:
@@ -111,7 +112,7 @@ def summarize(result: TargetResult, slo: Slo | None = None, per_request: bool = 
         "total_tokens_per_s": (in_tokens + out_tokens) / dur,
         "ttft_s": stats([m.ttft for m in done if m.ttft is not None]),
         "tpot_s": stats([m.tpot for m in done if m.tpot is not None]),
-        "itl_s": stats([x for m in done for x in m.itl]),
+        "itl_s": stats(np.fromiter(chain.from_iterable(m.itl for m in done), np.float64)),
         "e2e_s": stats([m.e2e for m in done]),
         "queue_s": stats([m.queue for m in done if m.queue is not None]),
         "slo": slo.as_dict(),

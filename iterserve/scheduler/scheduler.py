@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 from iterserve.config import EngineConfig
 from iterserve.executor.base import KVCacheSpec
@@ -148,7 +148,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._num_running_tokens(request, budget, len(self.running) - i - 1)
+            if self.drafts:
+                n = self._num_running_tokens(request, budget, len(self.running) - i - 1)
+            else:
+                n = min(len(request.token_ids) - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, n) is None:
                 victim = self._pick_victim(i)
                 self._preempt(victim, plan)
@@ -329,11 +332,10 @@ class Scheduler:
         tokens = request.token_ids
         num_drafts = max(0, end - len(tokens))
         new = tokens[start:end] if not num_drafts else tokens[start:] + self.drafts[request.request_id][:num_drafts]
-        return ScheduledRequest(
+        return ScheduledRequest(  # positional: built for every request in every step
             request.request_id, new, start, self.kv.req_block_ids[request.request_id],
             end >= len(tokens), request.sampling_params, len(request.output_token_ids),
-            prompt_token_ids=request.prompt_token_ids, output_token_ids=request.output_token_ids,
-            num_draft_tokens=num_drafts)
+            request.prompt_token_ids, request.output_token_ids, False, num_drafts)
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
@@ -342,13 +344,18 @@ class Scheduler:
         Returns the requests that got new tokens (finished ones included)."""
         now = self.clock()
         progressed = []
+        requests, running = self.requests, RequestStatus.RUNNING
         for i, (scheduled, token) in enumerate(zip(plan.scheduled, result.sampled)):
-            request = self.requests.get(scheduled.request_id)
-            if request is None or scheduled.is_padding or request.status != RequestStatus.RUNNING:
+            request = requests.get(scheduled.request_id)
+            if request is None or scheduled.is_padding or request.status is not running:
                 continue  # aborted during the step, or a padding row
-            request.num_computed_tokens += scheduled.num_new_tokens - scheduled.num_draft_tokens
+            request.num_computed_tokens += len(scheduled.token_ids) - scheduled.num_draft_tokens
             self.kv.cache_full_blocks(request)
             if not scheduled.sample:
+                continue
+            if not scheduled.num_draft_tokens and not self.drafts:  # nothing drafted: one token
+                self._append_tokens(request, (token,), now)
+                progressed.append(request)
                 continue
             accepted = self._accepted_drafts(scheduled, result, i)
             # Accepted drafts' K/V are right: each equals the token appended for its position. Rejected
@@ -371,7 +378,7 @@ class Scheduler:
         self.num_accepted_tokens += len(accepted)
         return accepted
 
-    def _append_tokens(self, request: Request, tokens: list[int], now: float) -> None:
+    def _append_tokens(self, request: Request, tokens: Sequence[int], now: float) -> None:
         """One by one, as one-token decoding would: a stop inside an accepted run drops the rest."""
         times = request.times
         for token in tokens:
