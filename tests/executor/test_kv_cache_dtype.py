@@ -159,11 +159,15 @@ def test_mixed_kv_dtypes_are_refused(runners):
         i8.write_blocks([0], f32.read_blocks([0]))
 
 
-def test_triton_path_refuses_int8_at_start_up():
+def test_triton_path_refuses_int8_at_start_up(tiny_model, monkeypatch):
     assert kv_dtype_name("auto", torch.bfloat16, "triton") == "bfloat16"
     assert kv_dtype_name("int8", torch.float32, "torch") == "int8"
+    from iterserve.model.triton_attention import has_triton
+    if not has_triton():
+        pytest.skip("triton does not import here")
+    monkeypatch.setenv("ITERSERVE_ATTENTION", "triton")  # the GPU path's backend, as a CUDA engine picks it
     with pytest.raises(ValueError, match="--kv-cache-dtype int8 .* not by the triton kernels"):
-        kv_dtype_name("int8", torch.bfloat16, "triton")
+        ModelRunner(EngineConfig(model=tiny_model, kv_cache_dtype="int8", **CONFIG))
 
 
 def test_flag_is_generated_from_the_config_field():
