@@ -227,7 +227,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # ---- one iteration -------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, unfinished: bool = True) -> list[RequestOutput]:
+        """One iteration; the outputs of the requests that got tokens. unfinished=False: only those
+        that finished (a caller that reads only results, like the simulator's replicas, is spared
+        an object per request per step; the next output starts where a skipped one would have)."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -245,7 +248,9 @@ class Engine:
         self._add_prompt_logprobs(plan, result)
         outputs = []
         for request in self.scheduler.update(plan, result):
-            outputs.append(self._output(request, logprobs.get(request.request_id)))
+            out = self._output(request, logprobs.get(request.request_id), unfinished)
+            if out is not None:
+                outputs.append(out)
             if self.proposer is not None and not request.finished:
                 self._propose(request)
         self.num_steps += 1
@@ -255,12 +260,16 @@ class Engine:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
-    def _output(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _output(self, request: Request, logprobs: TokenLogprobs | None,
+                unfinished: bool = True) -> RequestOutput | None:
         state = self.states[request.request_id]
         if logprobs is not None:
             state.logprobs.append(logprobs)
         if state.detokenizer is not None:
             self._detokenize(request, state.detokenizer, state.num_tokens_sent)
+        if not unfinished and not request.finished:
+            self._take_new(request, state, False)
+            return None
         return self._emit(request, state)
 
     def _detokenize(self, request: Request, detokenizer: Detokenizer, first: int) -> None:
@@ -296,10 +305,7 @@ class Engine:
     def _emit(self, request: Request, state: _TextState, error: str | None = None) -> RequestOutput:
         finished = request.finished
         outputs = request.output_token_ids  # a live list: RequestOutput.token_ids grows with it
-        new_text = state.detokenizer.take_new_text(finished) if state.detokenizer else ""
-        text = state.detokenizer.text if state.detokenizer else ""
-        new_tokens = outputs[state.num_tokens_sent:]
-        state.num_tokens_sent = len(outputs)
+        new_tokens, new_text, text = self._take_new(request, state, finished)
         if finished:
             self.states.pop(request.request_id, None)
             self._child_finished(state.parent_id, request.request_id)
@@ -308,6 +314,16 @@ class Engine:
             finished, request.status.value if finished else None, request.times,
             state.logprobs, request.stop_reason, error, state.index, state.parent_id, state.n,
             prompt_logprobs=state.prompt_logprobs)
+
+    @staticmethod
+    def _take_new(request: Request, state: _TextState, finished: bool) -> tuple[list[int], str, str]:
+        """(new tokens, new text, all text) since the previous output; the next output starts after them."""
+        outputs = request.output_token_ids
+        new_tokens = outputs[state.num_tokens_sent:]
+        state.num_tokens_sent = len(outputs)
+        if state.detokenizer is None:
+            return new_tokens, "", ""
+        return new_tokens, state.detokenizer.take_new_text(finished), state.detokenizer.text
 
     def _child_finished(self, parent_id: str | None, child_id: str) -> None:
         children = self.parents.get(parent_id) if parent_id is not None else None
