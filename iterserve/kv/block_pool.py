@@ -23,7 +23,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (head evicted first). Cached blocks stay here with their hash
         # until reused; an OrderedDict gives O(1) pop-head, append and remove-from-middle (cache hit).
-        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_queue: OrderedDict[int, Block] = OrderedDict(enumerate(self.blocks))
         self.cached: dict[bytes, Block] = {}
 
     @property

@@ -6,7 +6,8 @@ request; `None` means the pool cannot serve them now (the scheduler then preempt
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
+from functools import lru_cache
 
 from iterserve.kv.block_pool import Block, BlockPool
 from iterserve.request import Request
@@ -21,10 +22,16 @@ def cdiv(a: int, b: int) -> int:
 
 def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None) -> bytes:
     """128-bit chained hash of a full block: equal hashes mean equal prefixes, not just equal blocks."""
-    data = (parent or b"") + array("q", token_ids).tobytes()
+    data = (parent or b"") + _int64s(len(token_ids)).pack(*token_ids)
     if salt:
         data += salt.encode()
     return hashlib.blake2b(data, digest_size=16).digest()
+
+
+@lru_cache(maxsize=None)
+def _int64s(n: int) -> struct.Struct:
+    """n native int64s: the bytes of array('q', ids), packed without building an array first."""
+    return struct.Struct(f"{n}q")
 
 
 class KVCacheManager:
