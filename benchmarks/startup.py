@@ -12,8 +12,8 @@ seconds to ready, RSS at ready, the process's peak RSS by then (VmHWM: the load'
 RSS after --requests chat completions of --max-tokens tokens each, --concurrency at a time (the KV pool's
 pages are committed as its blocks are first used, so this grows with the traffic).
 
---phases runs the steps a ModelRunner takes in one child process per kind and prints the seconds and the
-RSS after each: imports, tokenizer, arch + weights (GGUF or cache), model build (oneDNN packing),
+--phases runs the steps a ModelRunner takes in one child process per kind and prints the seconds, the
+RSS and the peak RSS so far after each: imports, tokenizer, arch + weights (GGUF or cache), model build (oneDNN packing),
 releasing the load buffers, the KV pool, the first step (kernel build/load, oneDNN's first calls).
 """
 from __future__ import annotations
@@ -170,8 +170,8 @@ def phase_child(args: argparse.Namespace) -> None:
     rows, t0 = [], time.perf_counter()
 
     def mark(name: str, start: float) -> float:
-        now = time.perf_counter()
-        rows.append({"phase": name, "s": now - start, "rss": proc_status(os.getpid())["VmRSS"]})
+        now, status = time.perf_counter(), proc_status(os.getpid())
+        rows.append({"phase": name, "s": now - start, "rss": status["VmRSS"], "peak": status["VmHWM"]})
         return now
 
     import torch  # noqa: F401 - timed with the rest of what `serve` imports before it loads
@@ -220,11 +220,12 @@ def run_phases(args: argparse.Namespace) -> dict[str, list[dict]]:
 
 def print_phases(argv: list[str], phases: dict[str, list[dict]]) -> None:
     print(f"$ python benchmarks/startup.py {shlex.join(argv)}")
-    head = f"{'phase':<52}" + "".join(f"{k + ' s':>10}{k + ' RSS MiB':>16}" for k in phases)
+    head = f"{'phase':<52}" + "".join(f"{k + ' s':>10}{k + ' RSS MiB':>16}{'peak MiB':>10}" for k in phases)
     print(head + "\n" + "-" * len(head))
     for i, row in enumerate(next(iter(phases.values()))):
-        print(f"{row['phase']:<52}" + "".join(f"{p[i]['s']:>10.2f}{p[i]['rss'] / MiB:>16.0f}" for p in phases.values()))
-    print(f"{'total':<52}" + "".join(f"{sum(r['s'] for r in p):>10.2f}{'':>16}" for p in phases.values()))
+        print(f"{row['phase']:<52}" + "".join(f"{p[i]['s']:>10.2f}{p[i]['rss'] / MiB:>16.0f}{p[i]['peak'] / MiB:>10.0f}"
+                                             for p in phases.values()))
+    print(f"{'total':<52}" + "".join(f"{sum(r['s'] for r in p):>10.2f}{'':>26}" for p in phases.values()))
 
 
 def main(argv: list[str] | None = None) -> int:

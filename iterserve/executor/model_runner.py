@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
@@ -92,15 +93,14 @@ class ModelRunner:
         self.dtype = pick_dtype(mc.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(mc.num_threads or os.cpu_count() or 1)
+        pending_tokenizer = None
         if weights is None:
             path = mc.model or default_model_path()
-            tokenizer = weight_cache.load_tokenizer(path)
+            pending_tokenizer = _load_tokenizer_aside(path)
             arch, weights = weight_cache.load_arch_and_weights(path, self.dtype, self.device)
         assert arch is not None, "weights given without their arch"
         self.arch = cfg = arch
-        self.tokenizer = tokenizer
         self.vocab_size = cfg.vocab_size
-        self.eos_token_ids = eos_token_ids(cfg, tokenizer)
         if mc.max_model_len is not None and mc.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len {mc.max_model_len} exceeds the model's context of "
                              f"{cfg.max_position_embeddings} tokens")
@@ -110,6 +110,8 @@ class ModelRunner:
                                 quantization=mc.quantization, tp=tp)
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
         weight_cache.release_load_buffers()
+        self.tokenizer = tokenizer if pending_tokenizer is None else pending_tokenizer.result()
+        self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
         self.kv_dtype = kv_dtype_name(cc.kv_cache_dtype, self.dtype, self.model.attention.name)
         self.kv_cache_spec = KVCacheSpec(cc.block_size, 1, 0, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                          self.kv_dtype)
@@ -448,6 +450,15 @@ def _prompt_logprobs(reqs: list[ScheduledRequest], nrows: list[int], logits: tor
             out[i] = prompt_logprobs(logits[offset:offset + n], targets, r.sampling_params.prompt_logprobs)
         offset += k
     return out
+
+
+def _load_tokenizer_aside(path: str) -> Future:
+    """The tokenizer, loaded on a worker thread while this one reads and packs the weights: it parses
+    files and runs no torch op (a second thread running ops would start a second OpenMP pool)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="iterserve-tokenizer")
+    future = pool.submit(weight_cache.load_tokenizer, path)
+    pool.shutdown(wait=False)  # the thread ends with its one task
+    return future
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -105,20 +105,16 @@ class LlamaModel:
         if cfg.rope_local_theta is not None:
             self.rope_tables.append(rope_cos_sin(cfg, n, cfg.rope_local_theta, None))
         self.rope_tables = [(c.to(self.device, self.dtype), s.to(self.device, self.dtype)) for c, s in self.rope_tables]
-        self.layers = [self._layer(w, i, window) for i in range(cfg.num_layers)]
-        # the embedding stays a plain tensor for lookups; the LM head (tied or not) is packed apart
         if quantization is not None:
             check_supported(quantization, self.device)
+        pack = (lambda t: quantize(t, quantization)) if quantization else pack_float  # noqa: E731
+        # each layer packed as soon as it is built: its fused float copies go before the next layer's come
+        self.layers = [self._pack_layer(self._layer(w, i, window), pack) for i in range(cfg.num_layers)]
+        # the embedding stays a plain tensor for lookups; the LM head (tied or not) is packed apart
+        if quantization is not None:
             self.lm_head = quantize(self.lm_head, "int8")  # int8 in both modes, as the GGUF keeps it Q8_0
         else:
             self.lm_head = pack_float(self.lm_head)
-        pack = (lambda t: quantize(t, quantization)) if quantization else pack_float  # noqa: E731
-        for layer in self.layers:
-            for name in ("qkv", "o", "gate_up", "down"):
-                if getattr(layer, name) is not None:
-                    setattr(layer, name, pack(getattr(layer, name)))
-            if layer.experts is not None:
-                layer.experts = [(pack(gate_up), pack(down)) for gate_up, down in layer.experts]
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.attention = attention_backend(self.device, block_size, self.dtype)  # torch or triton
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -164,6 +160,15 @@ class LlamaModel:
             gate_up=gate_up, down=down, mlp_out_norm=mlp_out_norm, window=window if windowed else 0,
             rope=1 if cfg.rope_local_theta is not None and cfg.sliding_layers and cfg.sliding_layers[i] else 0,
             router=router, experts=experts)
+
+    @staticmethod
+    def _pack_layer(layer: LayerWeights, pack) -> LayerWeights:
+        for name in ("qkv", "o", "gate_up", "down"):
+            if getattr(layer, name) is not None:
+                setattr(layer, name, pack(getattr(layer, name)))
+        if layer.experts is not None:
+            layer.experts = [(pack(gate_up), pack(down)) for gate_up, down in layer.experts]
+        return layer
 
     def _mlp_weights(self, w: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
         gate_up = torch.cat([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]]).contiguous()

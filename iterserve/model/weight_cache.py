@@ -9,11 +9,12 @@ pure functions of the file, so their results are kept beside the kernels' build 
         model.safetensors   the dequantized float32 weights (HF names), the ModelArch in its header
         tokenizer/          the tokenizer as transformers' save_pretrained writes it
 
-and read back with mmap: the weights are file pages until the model packs them, then unmapped.
+and read back tensor by tensor as the model packs them (pread, not mmap: a mapping would keep every
+page the packing read resident beside the packed copies until the last layer was packed).
 
 What is cached is the float weights, not the oneDNN-packed ones: torch.ops.mkldnn._reorder_linear_weight
 returns an opaque MKLDNN tensor (no storage, no data pointer) that neither torch.save nor safetensors
-can write, and packing from the mapped floats costs a fraction of dequantizing (docs/operations.md).
+can write, and packing from the cached floats costs a fraction of dequantizing (docs/operations.md).
 So the key holds what decides those float bytes and the tokenizer: the file's size, mtime and a hash
 of its first and last MiB (hashing all of a multi-GiB file would cost what the cache saves), this
 format's version and the gguf / transformers / tokenizers versions. The CPU's flags and the compute
@@ -33,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
 
@@ -122,12 +124,14 @@ def load_arch_and_weights(path: str, dtype: torch.dtype = torch.float32,
         arch = loader.load_model_arch(path)
         return arch, _own_kept(loader.load_weights(path, arch, dtype, device))
     arch, weights = _through_entry(path, entry)
-    return arch, _own_kept({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
+    if isinstance(weights, dict):  # the entry could not be written: the loader's own copies
+        return arch, _own_kept({k: v.to(device=device, dtype=dtype) for k, v in weights.items()})
+    return arch, LazyWeights(weights, dtype, torch.device(device))
 
 
-def _through_entry(path: str, entry: Path) -> tuple[ModelArch, dict[str, torch.Tensor]]:
-    """The entry's arch and mapped float32 weights, the entry written first on a miss; the loader's
-    in-memory weights where it cannot be written."""
+def _through_entry(path: str, entry: Path):
+    """The entry's arch and open file, the entry written first on a miss; the loader's in-memory
+    weights (a dict) where it cannot be written."""
     file = entry / _WEIGHTS
     cached = _read_weights(file, entry.name) if file.exists() else None
     if cached is not None:
@@ -139,26 +143,54 @@ def _through_entry(path: str, entry: Path) -> tuple[ModelArch, dict[str, torch.T
         return arch, weights
     logger.info("weight cache: %s dequantized into %s", os.path.basename(path), file)
     _prune_siblings(entry)
-    del weights  # read back mapped, as every later start will
+    del weights  # read back as every later start will
     cached = _read_weights(file, entry.name)
     return cached if cached is not None else (arch, loader.load_weights(path, arch))
 
 
-def _read_weights(file: Path, key: str) -> tuple[ModelArch, dict[str, torch.Tensor]] | None:
-    """The entry's arch and mapped weights; None (with a warning, the file removed) if it is not a good one."""
+def _read_weights(file: Path, key: str):
+    """The entry's arch and open file (safetensors checks that its header covers the file); None (with a
+    warning, the file removed) if it is not a good one."""
     from safetensors import safe_open
     try:
-        with safe_open(str(file), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("key") != key:
-                raise ValueError(f"written for key {meta.get('key')!r}, not {key!r}")
-            arch = ModelArch(**json.loads(meta["arch"]))
-            weights = {name: f.get_tensor(name) for name in f.keys()}
+        f = safe_open(str(file), framework="pt", backend="pread")
+        meta = f.metadata() or {}
+        if meta.get("key") != key:
+            raise ValueError(f"written for key {meta.get('key')!r}, not {key!r}")
+        arch = ModelArch(**json.loads(meta["arch"]))
     except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, it is rebuilt, never fatal
         logger.warning("weight cache: %s is unreadable (%s); rebuilding it", file, exc)
         file.unlink(missing_ok=True)
         return None
-    return arch, weights
+    return arch, f
+
+
+class LazyWeights(Mapping):
+    """An entry's tensors by name, each read (pread: the file is never mapped) when the model asks for it,
+    in the model's dtype and device. What the model packs is not held here, so a weight's float copy lives
+    only until its layer is packed and the load's peak stays near the packed size; what the model keeps
+    as given (embedding, norms) is read once."""
+
+    def __init__(self, handle, dtype: torch.dtype, device: torch.device) -> None:
+        self._file, self._dtype, self._device = handle, dtype, device
+        self._names = set(handle.keys())
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._kept:
+            return self._kept[name]
+        if name not in self._names:
+            raise KeyError(name)
+        t = self._file.get_tensor(name).to(device=self._device, dtype=self._dtype)
+        if not name.endswith(_PACKED_SUFFIXES):
+            self._kept[name] = t
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _write_weights(file: Path, key: str, arch: ModelArch, weights: dict[str, torch.Tensor]) -> bool:
@@ -187,9 +219,9 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
 
 def _own_kept(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The tensors the model keeps as given (embedding, norms, biases, router) copied out of a mapped
-    file: each mapped tensor holds the whole mapping, so one kept view would keep every page the
-    packing read resident for the process's life. (Copied also where they were not mapped: at most
-    the embedding's size, once.)"""
+    file (a Hugging Face directory's safetensors): each mapped tensor holds the whole mapping, so one
+    kept view would keep every page the packing read resident for the process's life. (Copied also
+    where they were not mapped: at most the embedding's size, once.)"""
     return {k: v if k.endswith(_PACKED_SUFFIXES) else v.clone() for k, v in weights.items()}
 
 
