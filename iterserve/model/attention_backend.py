@@ -25,7 +25,6 @@ import torch
 from iterserve.model import cpu_kernels
 from iterserve.model.attention import Workspace, build_plan, paged_attention
 from iterserve.model.attention_metadata import AttentionMetadata
-from iterserve.model.triton_attention import has_triton, paged_attention_triton, write_kv_triton
 
 ENV_VAR = "ITERSERVE_ATTENTION"
 
@@ -53,13 +52,23 @@ class TritonAttention:
     name = "triton"
     graph_safe = True
 
+    def __init__(self) -> None:
+        from iterserve.model.triton_attention import paged_attention_triton, write_kv_triton
+        self.paged_attention, self.write_kv = paged_attention_triton, write_kv_triton
+
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         return meta  # the kernels read the metadata tensors directly: nothing to precompute
 
     def attend(self, q, k, v, layer_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
-        write_kv_triton(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
-        return paged_attention_triton(q, layer_cache[0], layer_cache[1], meta, scale, window, softcap)
+        self.write_kv(k, v, layer_cache[0], layer_cache[1], meta.slot_mapping)
+        return self.paged_attention(q, layer_cache[0], layer_cache[1], meta, scale, window, softcap)
+
+
+def has_triton() -> bool:
+    """Imported only when asked: on the CPU path importing triton costs start-up time and nothing else."""
+    from iterserve.model.triton_attention import has_triton as importable
+    return importable()
 
 
 def backend_name(device: torch.device) -> str:
