@@ -9,7 +9,8 @@ behind the same policy code, and the table gives its error against the real run.
     python benchmarks/multi_tenant.py                       # 8 tenants x 1,024-token prompts, 256 requests
     python benchmarks/multi_tenant.py --num-requests 16 --system-prompt-len 64 --output-len 4   # a smoke run
 
-The simulator prices steps with a cpu-local profile (`iterserve calibrate`); calibrate it with the
+The simulator prices steps with a cpu-local profile (`iterserve calibrate`), plus the front end's CPU per
+streamed token measured in the real run (row `sim`; `sim-engine` leaves it out). Calibrate it with the
 threads each replica gets (--num-threads), or its step times will not be this run's.
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from iterserve.model.loader import default_model_path, load_tokenizer
 from iterserve.router.policy import POLICIES, make_router
 from iterserve.sim.cli import make_engine, resolve
 from iterserve.sim.cluster import run_cluster
+from iterserve.sim.hardware import with_overrides
 
 MODEL_NAME = "multi-tenant"
 
@@ -79,6 +81,25 @@ def prefix_totals(url: str) -> tuple[int, int]:
     return sum(s["num_prefix_queries"] for s in stats), sum(s["num_prefix_hits"] for s in stats)
 
 
+def serving_cpu_seconds() -> float:
+    """CPU seconds used so far by everything serving the trace except the engines: this process (the
+    load generator) and Ray's own (proxy, ingress, controller, GCS, raylet, agents). On a host whose
+    cores the replicas also use, each of those seconds is taken from a replica."""
+    tick, total = os.sysconf("SC_CLK_TCK"), sum(os.times()[:2])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+            if int(pid) == os.getpid() or "EngineReplica" in cmd or "ray" not in cmd:
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return total
+
+
 def warm_up(url: str, replicas: int) -> None:
     """Short requests, all at once so the router spreads them over every replica: lazy start-up
     work is not billed to the trace. Each prompt is shorter than a block, so nothing is cached."""
@@ -104,21 +125,29 @@ def real_run(args: argparse.Namespace, trace, policy: str, port: int) -> dict:
         warm_up(url, args.replicas)
         time.sleep(1.5)  # the replicas' reports arrive on Ray's stats poll (every 0.5 s)
         queries0, hits0 = prefix_totals(url)
+        cpu0 = serving_cpu_seconds()
         result = run_http(trace, url, MODEL_NAME)
+        frontend_s = serving_cpu_seconds() - cpu0
         expected = queries0 + sum(r.prompt_len for r in trace.requests)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and prefix_totals(url)[0] < expected:
             time.sleep(0.2)
         queries, hits = prefix_totals(url)
         rate = (hits - hits0) / (queries - queries0) if queries > queries0 else 0.0
-        return {**_figures(summarize(result, per_request=False)), "prefix_hit_rate": rate}
+        tokens = sum(r.output_len for r in trace.requests)
+        return {**_figures(summarize(result, per_request=False)), "prefix_hit_rate": rate,
+                "frontend_cpu_s_per_token": frontend_s / tokens}
     finally:
         serve.delete("default")
 
 
-def simulated_run(args: argparse.Namespace, trace, policy: str) -> dict:
+def simulated_run(args: argparse.Namespace, trace, policy: str, frontend_s_per_token: float = 0.0) -> dict:
+    """The simulator's replicas, each step priced by the calibrated profile plus, per request in the
+    step, the front end's CPU per streamed token measured in the real run (one core per replica: the
+    front end's work for a replica's tokens is taken from that replica's core)."""
     model, hw = resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=args.hardware_profile,
                                            dtype_bytes=None, model=args.model))
+    hw = with_overrides(hw, seq_overhead_s=hw.seq_overhead_s + frontend_s_per_token)
     config = EngineConfig(**{**engine_kwargs(args), "model": None})
     engines = [make_engine(config, model, hw) for _ in range(args.replicas)]
     result, stats = run_cluster(engines, trace, make_router(policy, args.seed), f"sim {policy}")
@@ -149,22 +178,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for policy in policies:
-            rows[policy] = {"real": real_run(args, trace, policy, port), "sim": simulated_run(args, trace, policy)}
+            real = real_run(args, trace, policy, port)
+            rows[policy] = {"real": real, "sim": simulated_run(args, trace, policy, real["frontend_cpu_s_per_token"]),
+                            "sim-engine": simulated_run(args, trace, policy)}
     finally:
         serve.shutdown()
         ray.shutdown()
     print(f"$ python benchmarks/multi_tenant.py {shlex.join(argv)}")
     print(f"{args.num_tenants} tenants x {args.system_prompt_len}-token system prompts, {args.num_requests} requests "
           f"({args.user_len} own + {args.output_len} output tokens each), {args.replicas} replicas")
-    head = f"{'policy':<17}{'run':<6}{'hit rate':>9}{'TTFT mean s':>13}{'out tok/s':>11}{'failed':>8}"
+    print("front end (load generator + Ray proxy, ingress, controller) CPU per streamed token: "
+          + ", ".join(f"{p} {r['real']['frontend_cpu_s_per_token'] * 1e3:.2f} ms" for p, r in rows.items())
+          + "; `sim` adds it to each request's step cost, `sim-engine` prices the engines alone")
+    head = f"{'policy':<17}{'run':<11}{'hit rate':>9}{'TTFT mean s':>13}{'out tok/s':>11}{'failed':>8}"
     print(head + f"{'sim err tok/s':>15}{'sim err TTFT':>14}")
     print("-" * (len(head) + 29))
     for policy, r in rows.items():
-        for kind in ("real", "sim"):
+        for kind in ("real", "sim", "sim-engine"):
             f = r[kind]
-            line = (f"{policy:<17}{kind:<6}{f['prefix_hit_rate']:>9.1%}{f['ttft_mean_s']:>13.3f}"
+            line = (f"{policy:<17}{kind:<11}{f['prefix_hit_rate']:>9.1%}{f['ttft_mean_s']:>13.3f}"
                     f"{f['output_tokens_per_s']:>11.1f}{f['failed']:>8}")
-            if kind == "sim":
+            if kind != "real":
                 line += (f"{_err(f['output_tokens_per_s'], r['real']['output_tokens_per_s']):>15}"
                          f"{_err(f['ttft_mean_s'], r['real']['ttft_mean_s']):>14}")
             print(line)
