@@ -109,9 +109,9 @@ class ModelRunner:
         self.model = LlamaModel(cfg, weights, cc.block_size, max_positions=cfg.max_position_embeddings,
                                 quantization=mc.quantization, tp=tp)
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
-        weight_cache.release_load_buffers()
         self.tokenizer = tokenizer if pending_tokenizer is None else pending_tokenizer.result()
         self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
+        weight_cache.release_load_buffers()  # after the tokenizer: a cold one leaves the GGUF conversion's garbage
         self.kv_dtype = kv_dtype_name(cc.kv_cache_dtype, self.dtype, self.model.attention.name)
         self.kv_cache_spec = KVCacheSpec(cc.block_size, 1, 0, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                          self.kv_dtype)

@@ -153,7 +153,7 @@ class LlamaModel:
         windowed = window and cfg.sliding_layers[i]
         return LayerWeights(
             attn_norm=attn_norm,
-            qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).contiguous(),
+            qkv=_fused(w, a, FUSED_QKV),
             qkv_bias=bias, q_norm=self._norm_weight(w[a + "q_norm.weight"]) if qk else None,
             k_norm=self._norm_weight(w[a + "k_norm.weight"]) if qk else None,
             o=o.contiguous(), attn_out_norm=attn_out_norm, mlp_norm=mlp_norm,
@@ -171,7 +171,7 @@ class LlamaModel:
         return layer
 
     def _mlp_weights(self, w: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = torch.cat([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]]).contiguous()
+        gate_up = _fused(w, prefix, FUSED_GATE_UP)
         down = w[prefix + "down_proj.weight"]
         if self.cfg.residual_multiplier != 1.0:  # as o above
             down = down * self.cfg.residual_multiplier
@@ -280,6 +280,19 @@ class LlamaModel:
         else:
             qk = _rope(qkv[:, : self.q_size + self.kv_size].view(t, -1, cfg.head_dim), *cos_sin[table])
         return qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
+
+
+# the linears the model runs as one matmul: (fused name, its parts in row order)
+FUSED_QKV = ("qkv_proj.weight", ("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+FUSED_GATE_UP = ("gate_up_proj.weight", ("gate_proj.weight", "up_proj.weight"))
+
+
+def _fused(w, prefix: str, fused: tuple[str, tuple[str, ...]]) -> torch.Tensor:
+    """The fused weight as given (the weight cache stores it so: model/weight_cache.py), or its parts concatenated."""
+    name, parts = fused
+    if prefix + name in w:
+        return w[prefix + name].contiguous()
+    return torch.cat([w[prefix + part] for part in parts]).contiguous()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ numpy code and has transformers convert the GGUF vocabulary to a fast tokenizer.
 pure functions of the file, so their results are kept beside the kernels' build cache:
 
     <XDG_CACHE_HOME or ~/.cache>/iterserve/weights/<file stem>-<path hash>-<key>/
-        model.safetensors   the dequantized float32 weights (HF names), the ModelArch in its header
+        model.safetensors   the dequantized float32 weights (HF names; q/k/v and gate/up fused as the
+                            model runs them), the ModelArch in its header
         tokenizer/          the tokenizer as transformers' save_pretrained writes it
 
 and read back tensor by tensor as the model packs them (pread, not mmap: a mapping would keep every
@@ -42,11 +43,12 @@ import torch
 
 from iterserve.model import loader
 from iterserve.model.cpu_kernels import cache_dir
+from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
 from iterserve.model.loader import ModelArch
 
 logger = logging.getLogger("iterserve.model")
 
-FORMAT = 1  # bump when what an entry holds changes
+FORMAT = 2  # bump when what an entry holds changes (2: q/k/v and gate/up stored fused)
 _EDGE = 1 << 20  # bytes hashed at each end of the model file
 _WEIGHTS, _TOKENIZER = "model.safetensors", "tokenizer"
 # the weights the model packs or quantizes into its own copies; it keeps every other one as given
@@ -186,6 +188,9 @@ class LazyWeights(Mapping):
             self._kept[name] = t
         return t
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._names
+
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._names))
 
@@ -200,13 +205,25 @@ def _write_weights(file: Path, key: str, arch: ModelArch, weights: dict[str, tor
     meta = {"key": key, "format": str(FORMAT),
             "arch": json.dumps(dataclasses.asdict(arch), default=lambda o: o.item())}  # numpy scalars from GGUF
     try:
-        save_file({k: _owned(v) for k, v in weights.items()}, str(tmp), metadata=meta)
+        save_file({k: _owned(v) for k, v in fuse(weights).items()}, str(tmp), metadata=meta)
         os.replace(tmp, file)
     except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is no reason to fail
         logger.warning("weight cache: cannot write %s (%s); this start is not cached", file, exc)
         tmp.unlink(missing_ok=True)
         return False
     return True
+
+
+def fuse(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """q/k/v and gate/up as the single weights the model runs them as (llama.py FUSED_*): a warm start
+    then skips concatenating them, the larger part of building the model from cached floats."""
+    out = dict(weights)
+    for fused, parts in (FUSED_QKV, FUSED_GATE_UP):
+        for name in [k for k in weights if k.endswith("." + parts[0])]:
+            prefix = name[: -len(parts[0])]
+            if all(prefix + p in out for p in parts):
+                out[prefix + fused] = torch.cat([out.pop(prefix + p) for p in parts])
+    return out
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ def test_a_hit_gives_the_logits_of_a_fresh_pack(gguf, cache, monkeypatch):
     monkeypatch.setattr(loader, "load_weights", no_gguf)
     warm_arch, warm = weight_cache.load_arch_and_weights(gguf)
     assert cold_arch == warm_arch == arch
-    assert_same_weights(warm, weights)
+    assert_same_weights(warm, weight_cache.fuse(weights))  # q/k/v and gate/up stored as the model runs them
     assert torch.equal(logits(cold_arch, cold), want) and torch.equal(logits(warm_arch, warm), want)
 
 
@@ -89,7 +89,7 @@ def test_a_packed_weight_is_read_when_asked_and_not_held(gguf, cache):
     """So a weight's float copy lives only until its layer is packed: the load's peak stays near the packed size."""
     weight_cache.load_arch_and_weights(gguf)
     _, weights = weight_cache.load_arch_and_weights(gguf)
-    proj = weights["model.layers.0.self_attn.q_proj.weight"]
+    proj = weights["model.layers.0.self_attn.qkv_proj.weight"]
     held = weakref.ref(proj)
     del proj
     gc.collect()
@@ -113,7 +113,7 @@ def test_a_changed_file_is_rebuilt_and_the_old_entry_dropped(gguf, cache):
     (old,) = entries(cache)
     write_tiny_gguf(gguf, Q.Q8_0)
     _, weights = weight_cache.load_arch_and_weights(gguf)
-    assert_same_weights(weights, fresh(gguf)[1])
+    assert_same_weights(weights, weight_cache.fuse(fresh(gguf)[1]))
     (new,) = entries(cache)
     assert new != old
 
@@ -125,7 +125,7 @@ def test_a_corrupt_entry_is_rebuilt_with_a_warning(gguf, cache, caplog):
     with caplog.at_level(logging.WARNING, logger="iterserve.model"):
         _, weights = weight_cache.load_arch_and_weights(gguf)
     assert "unreadable" in caplog.text
-    assert_same_weights(weights, fresh(gguf)[1])
+    assert_same_weights(weights, weight_cache.fuse(fresh(gguf)[1]))
     assert weight_cache._read_weights(file, file.parent.name) is not None  # whole again
 
 
