@@ -14,7 +14,9 @@ pages are committed as its blocks are first used, so this grows with the traffic
 
 --phases runs the steps a ModelRunner takes in one child process per kind and prints the seconds, the
 RSS and the peak RSS so far after each: imports, tokenizer, arch + weights (GGUF or cache), model build (oneDNN packing),
-releasing the load buffers, the KV pool, the first step (kernel build/load, oneDNN's first calls).
+releasing the load buffers, the KV pool, the first step (kernel build/load, oneDNN's first calls). The
+phases run one after another here; the server loads the tokenizer on a second thread while it reads and
+packs the weights, so its time to ready is about imports + the longer of the two + the server's own start.
 """
 from __future__ import annotations
 
