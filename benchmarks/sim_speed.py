@@ -1,7 +1,7 @@
 """How fast the simulator runs: N requests through the real engine + scheduler on a virtual clock.
 
     .venv/bin/python benchmarks/sim_speed.py [--num-requests 10000] [--model llama-2-7b --hardware a100-80gb]
-    .venv/bin/python benchmarks/sim_speed.py --replicas 64 [--sim-workers 1]
+    .venv/bin/python benchmarks/sim_speed.py --replicas 64 [--sim-workers 2 --load-report-interval 0.5]
 
 Acceptance on the development machine (2 cores): one engine, 10,000 requests in under 10 s of wall
 time; with --replicas (the multi-replica mode: `iterserve simulate --replicas N --router ...`, run
@@ -42,6 +42,8 @@ def main() -> int:
     p.add_argument("--replicas", type=int, default=1, help="> 1: the multi-replica mode (default case 64)")
     p.add_argument("--router", default="prefix-affinity")
     p.add_argument("--sim-workers", type=int, default=1)
+    p.add_argument("--load-report-interval", type=float, default=0.0,
+                   help="--replicas: how often the router reads loads (0: every arrival)")
     args = p.parse_args()
     preset = CLUSTER if args.replicas > 1 else SINGLE
     for key, value in preset.items():
@@ -84,7 +86,8 @@ def run_cluster_case(args: argparse.Namespace) -> int:
     argv = ["--num-requests", str(args.num_requests), "--targets", args.scheduling, "--replicas", str(args.replicas),
             "--router", args.router, "--output-mean", str(args.output_mean),
             "--shared-prefix-len", str(args.shared_prefix_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--model", args.model, "--hardware", args.hardware, "--sim-workers", str(args.sim_workers)]
+            "--model", args.model, "--hardware", args.hardware, "--sim-workers", str(args.sim_workers),
+            "--load-report-interval", str(args.load_report_interval)]
     if args.rate:
         argv += ["--request-rate", str(args.rate)]
     sim_args = build_parser().parse_args(argv)

@@ -173,7 +173,7 @@ def run_simulation(args: argparse.Namespace) -> int:
     if replicas != 1 or args.router:
         from iterserve.sim.cluster import run_cluster_targets
         results = run_cluster_targets(trace, targets, kw, factory, replicas, args.router or "prefix-affinity",
-                                      args.seed, args.sim_workers)
+                                      args.seed, args.sim_workers, args.load_report_interval)
         built = built[::len(built) // len(targets)]  # one engine per target describes them all
     else:
         results = run_targets(trace, targets, kw, progress=False, engine_factory=factory)
@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--router", choices=POLICIES, default=None, help="routing policy (default: prefix-affinity)")
     c.add_argument("--sim-workers", type=int, default=1,
                    help="processes the replicas are split over (the same figures, less wall time on many cores)")
+    c.add_argument("--load-report-interval", type=float, default=0.0, metavar="SECONDS",
+                   help="the router reads the replicas' loads this often (Ray Serve polls every 0.5 s); "
+                        "0: at every arrival. Longer lets --sim-workers run further apart")
     d = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
     d.add_argument("--pd", default=None, help="xPyD (e.g. 1P1D, 2P1D): x prefill and y decode engines against "
                    "colocated x+y replicas; 'search': every split of --pd-devices")

@@ -49,22 +49,35 @@ class ReplicaGroup:
         self.engines = engines
         self.first, self.count = first_index, len(engines)
         self.busy: list[tuple[float, int]] = []  # (the replica's clock, its local index), replicas with work
+        self.arrivals: list[tuple[float, int, int, TraceRequest]] = []  # routed, not yet arrived
+        self.num_routed = 0
         self.done: dict[str, RequestMetrics] = {}
 
     def add(self, i: int, r: TraceRequest) -> None:
-        engine = self.engines[i - self.first]
+        """A request routed to replica i: it joins the replica when the replica's clock reaches its arrival."""
+        heapq.heappush(self.arrivals, (r.arrival_time, self.num_routed, i - self.first, r))
+        self.num_routed += 1
+
+    def _arrive(self) -> None:
+        _, _, k, r = heapq.heappop(self.arrivals)
+        engine = self.engines[k]
         was_idle = not engine.has_unfinished()
         engine.add_request(r.prompt_token_ids, trace_params(r), request_id=r.request_id, arrival_time=r.arrival_time)
         if was_idle:  # an idle replica's clock catches up with the arrival
             engine.clock.advance_to(r.arrival_time)
-            heapq.heappush(self.busy, (engine.clock(), i - self.first))
+            heapq.heappush(self.busy, (engine.clock(), k))
 
     def advance(self, until: float, prompt_lens: dict[str, int]) -> tuple[dict[int, ReplicaLoad], list[int]]:
-        """Step every replica whose clock is before `until` (an arrival at the same time goes first);
+        """Arrivals and steps in time order up to `until` (an arrival at a step's time goes first);
         returns the new loads of the replicas that stepped, and the replica of each finished request."""
         loads, finished = {}, []
-        busy = self.busy
-        while busy and busy[0][0] < until:
+        busy, arrivals = self.busy, self.arrivals
+        while True:
+            if arrivals and arrivals[0][0] < until and (not busy or arrivals[0][0] <= busy[0][0]):
+                self._arrive()
+                continue
+            if not busy or busy[0][0] >= until:
+                break
             _, k = heapq.heappop(busy)
             engine = self.engines[k]
             before = engine.clock()
@@ -147,21 +160,26 @@ def _group_worker(conn, make_engine: Callable[[], object], first: int, count: in
         conn.send(e)
 
 
-def run_cluster(engines: list, trace: Trace, router: Router, name: str = "cluster") -> tuple[TargetResult, ClusterStats]:
-    """Drive an open-loop trace through `engines` (each with its own virtual clock, all at 0)."""
-    return _drive([ReplicaGroup(engines)], len(engines), engines[0].scheduler.block_size, trace, router, name)
+def run_cluster(engines: list, trace: Trace, router: Router, name: str = "cluster",
+                report_interval: float = 0.0) -> tuple[TargetResult, ClusterStats]:
+    """Drive an open-loop trace through `engines` (each with its own virtual clock, all at 0).
+    report_interval: see _drive_arrivals."""
+    return _drive([ReplicaGroup(engines)], len(engines), engines[0].scheduler.block_size, trace, router, name,
+                  report_interval)
 
 
 def run_cluster_parallel(make_engine: Callable[[], object], replicas: int, workers: int, trace: Trace,
-                         router: Router, name: str = "cluster") -> tuple[TargetResult, ClusterStats]:
+                         router: Router, name: str = "cluster",
+                         report_interval: float = 0.0) -> tuple[TargetResult, ClusterStats]:
     """The same run with the replicas split over `workers` processes: the same figures (replicas
-    only meet at arrivals, where the driver waits for every group), in less wall time on many cores."""
+    only meet where the router reads their loads, and there the driver waits for every group), in
+    less wall time on many cores: the longer the report interval, the less they wait."""
     block_size = make_engine().scheduler.block_size
     sizes = [replicas // workers + (k < replicas % workers) for k in range(workers)]
     firsts = [sum(sizes[:k]) for k in range(workers)]
     groups = [WorkerGroup(make_engine, first, n) for first, n in zip(firsts, sizes) if n]
     try:
-        return _drive(groups, replicas, block_size, trace, router, name)
+        return _drive(groups, replicas, block_size, trace, router, name, report_interval)
     finally:
         for g in groups:
             if g.process.is_alive():  # the run failed before the group was done
@@ -183,13 +201,18 @@ def no_cyclic_gc():
 
 
 def _drive(groups: list, replicas: int, block_size: int, trace: Trace, router: Router,
-           name: str) -> tuple[TargetResult, ClusterStats]:
+           name: str, report_interval: float = 0.0) -> tuple[TargetResult, ClusterStats]:
     with no_cyclic_gc():
-        return _drive_arrivals(groups, replicas, block_size, trace, router, name)
+        return _drive_arrivals(groups, replicas, block_size, trace, router, name, report_interval)
 
 
 def _drive_arrivals(groups: list, replicas: int, block_size: int, trace: Trace, router: Router,
-                    name: str) -> tuple[TargetResult, ClusterStats]:
+                    name: str, report_interval: float = 0.0) -> tuple[TargetResult, ClusterStats]:
+    """Route each request on the replicas' loads as of the latest report: with report_interval 0, as of
+    its own arrival; otherwise as of the start of its interval (a real router reads polled reports:
+    Ray Serve's every 0.5 s), its own routing counts always current."""
+    if report_interval < 0:
+        raise ValueError(f"the load report interval must be >= 0, got {report_interval}")
     if trace.concurrency:
         raise ValueError("--replicas runs open-loop traces (offline or --request-rate), not --concurrency")
     if any(r.prompt_token_ids is None for r in trace.requests):
@@ -211,8 +234,11 @@ def _drive_arrivals(groups: list, replicas: int, block_size: int, trace: Trace, 
             for i in finished:
                 router.on_finished(ids[i])
 
+    next_report = -math.inf
     for r in sorted(trace.requests, key=lambda r: r.arrival_time):
-        advance(r.arrival_time)
+        if r.arrival_time >= next_report:
+            advance(r.arrival_time)
+            next_report = r.arrival_time + report_interval
         hashes = prompt_block_hashes(r.prompt_token_ids, block_size)
         rid = router.choose(hashes, loads)
         router.on_routed(rid, hashes)
@@ -234,7 +260,8 @@ def _drive_arrivals(groups: list, replicas: int, block_size: int, trace: Trace, 
 
 
 def run_cluster_targets(trace: Trace, targets: list[str], engine_kwargs: dict, factory, replicas: int,
-                        policy: str, seed: int = 0, workers: int = 1) -> list[TargetResult]:
+                        policy: str, seed: int = 0, workers: int = 1,
+                        report_interval: float = 0.0) -> list[TargetResult]:
     """Each target (continuous, static, with '+' overrides) as `replicas` engines behind a fresh router."""
     from iterserve.bench.runner import parse_engine_target
     from iterserve.router.policy import make_router
@@ -247,9 +274,11 @@ def run_cluster_targets(trace: Trace, targets: list[str], engine_kwargs: dict, f
         router, name = make_router(policy, seed), f"{target} x{replicas} {policy}"
         start = time.perf_counter()
         if workers > 1:
-            result, _ = run_cluster_parallel(lambda: factory(base, kw), replicas, workers, trace, router, name)
+            result, _ = run_cluster_parallel(lambda: factory(base, kw), replicas, workers, trace, router, name,
+                                             report_interval)
         else:
-            result, _ = run_cluster([factory(base, kw) for _ in range(replicas)], trace, router, name)
+            result, _ = run_cluster([factory(base, kw) for _ in range(replicas)], trace, router, name,
+                                    report_interval)
         result.extra["wall_s"] = time.perf_counter() - start  # how long simulating took, not modelled time
         results.append(result)
     return results

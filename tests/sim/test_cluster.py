@@ -93,3 +93,20 @@ def test_replicas_in_worker_processes_give_the_same_figures():
     assert par_stats == one_stats and len(par.steps) == len(one.steps)
     assert simulate(["--num-requests", "30", "--request-rate", "60", "--targets", "continuous",
                      "--replicas", "3", "--sim-workers", "2"]) == 0
+
+
+def test_load_reports_every_interval_keep_arrivals_in_time_and_workers_agree():
+    """With polled load reports the router decides on stale loads, but no replica sees a request before
+    it arrives, every request finishes, and worker processes still give the same figures."""
+    from iterserve.sim.cluster import run_cluster_parallel
+    trace = multi_tenant_trace(4, 96, 120, user_len=24, output_len=12, request_rate=300, seed=5)
+    make = lambda: engines(1, num_kv_blocks=120)[0]  # noqa: E731
+    exact, _ = run_cluster([make() for _ in range(5)], trace, make_router("prefix-affinity"))
+    one, one_stats = run_cluster([make() for _ in range(5)], trace, make_router("prefix-affinity"), report_interval=0.05)
+    par, par_stats = run_cluster_parallel(make, 5, 2, trace, make_router("prefix-affinity"), report_interval=0.05)
+    assert len(one.requests) == 120 and all(m.e2e is not None and m.ttft > 0 for m in one.requests)
+    key = lambda m: (m.request_id, m.ttft, m.e2e, tuple(m.itl))  # noqa: E731
+    assert [key(m) for m in par.requests] == [key(m) for m in one.requests] and par_stats == one_stats
+    assert [key(m) for m in one.requests] != [key(m) for m in exact.requests]  # the staleness shows
+    with pytest.raises(ValueError, match="report interval"):
+        run_cluster([make()], trace, make_router("round-robin"), report_interval=-1)
