@@ -301,7 +301,6 @@ class Engine:
         if drafts:
             self.scheduler.set_drafts(request, drafts)
 
-
     def _emit(self, request: Request, state: _TextState, error: str | None = None) -> RequestOutput:
         finished = request.finished
         outputs = request.output_token_ids  # a live list: RequestOutput.token_ids grows with it
