@@ -188,9 +188,10 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(dev)
         plan, num_blocks = self._profile_plan()
         with torch.inference_mode():
-            ids, pos, _, md, logits_indices = self._prepare(plan)
+            nrows = _logits_rows(plan.scheduled)
+            ids, pos, _, md, logits_indices = self._prepare(plan, nrows)
             scratch = self._alloc_kv(num_blocks, dev)
-            self._sample(plan, self.model.forward(ids, pos, scratch, md, logits_indices))
+            self._sample(plan, self.model.forward(ids, pos, scratch, md, logits_indices), nrows)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
         del scratch
@@ -238,9 +239,10 @@ class ModelRunner:
         if not plan.scheduled:
             return StepResult(sampled=[], logprobs=None, step_time=time.perf_counter() - t0)
         with torch.inference_mode():
-            inputs = self._prepare(plan)
+            nrows = _logits_rows(plan.scheduled)  # once per step: _prepare and _sample both read it
+            inputs = self._prepare(plan, nrows)
             logits = self._run_model(*inputs)
-            sampled, logprobs, prompt_lps, accepted = self._sample(plan, logits)
+            sampled, logprobs, prompt_lps, accepted = self._sample(plan, logits, nrows)
         return StepResult(sampled=sampled, logprobs=logprobs, accepted_drafts=accepted, prompt_logprobs=prompt_lps,
                           step_time=time.perf_counter() - t0)
 
@@ -278,7 +280,8 @@ class ModelRunner:
             raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} do not fit this pool's {expected}")
         self.kv_cache[:, :, block_ids] = blocks.to(self.device, self.kv_cache.dtype)
 
-    def _prepare(self, plan: SchedulerOutput):
+    def _prepare(self, plan: SchedulerOutput, nrows: list[int] | None):
+        """Flat step inputs; nrows: _logits_rows(plan.scheduled), the logits rows each request gets."""
         reqs, bs = plan.scheduled, plan.block_size
         assert bs == self.block_size, f"plan block_size {bs} != cache block_size {self.block_size}"
         q_lens = [len(r.token_ids) for r in reqs]
@@ -306,18 +309,17 @@ class ModelRunner:
         # logits for every request's last token: padding seats pay for theirs too, as a padded batch would;
         # a request asking for prompt logprobs gets a row for each token of its chunk, one with drafts a row
         # for its own last token and each draft
-        nrows = _logits_rows(reqs)
         ends = starts[1:]
         rows = ends - 1 if nrows is None else np.concatenate([np.arange(e - k, e) for e, k in zip(ends, nrows)])
         logits_indices = torch.from_numpy(rows).to(dev)
         return (torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), self.kv_cache, md, logits_indices)
 
-    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor):
+    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor, nrows: list[int] | None):
         """(token per request, logprobs, prompt logprobs, accepted drafts). A request with drafts has a row
         for its last own token and one per draft, each processed as a one-token step would be (drafted
         requests have no position-dependent processing: engine/spec_decode.py); then the drafts are verified."""
         scheduled = plan.scheduled
-        prompt_lps, nrows = None, _logits_rows(scheduled)
+        prompt_lps = None
         if nrows is not None:  # keep each request's sampling rows: its last one, or 1 + its drafts
             prompt_lps = _prompt_logprobs(scheduled, nrows, logits)
             logits = logits[torch.from_numpy(_sampling_rows(scheduled, nrows)).to(logits.device)]

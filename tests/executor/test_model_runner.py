@@ -69,7 +69,7 @@ def test_logits_match_transformers(runner, hf_reference_model, tokenizer):
     for i, p in enumerate(prompts(tokenizer)):
         s = Seq(f"r{i}", p, 0)
         req = s.chunk()
-        inputs = runner._prepare(SchedulerOutput(scheduled=[req], block_size=BS))
+        inputs = runner._prepare(SchedulerOutput(scheduled=[req], block_size=BS), None)
         with torch.inference_mode():
             ours = runner.model.forward(*inputs)[0]
             ref = hf_reference_model(torch.tensor([p])).logits[0, -1]

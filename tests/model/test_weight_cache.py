@@ -44,7 +44,7 @@ def logits(arch, weights) -> torch.Tensor:
     plan = SchedulerOutput(block_size=16, scheduled=[
         ScheduledRequest("r", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 0, [0], True, SamplingParams(temperature=0.0))])
     with torch.inference_mode():
-        return runner.model.forward(*runner._prepare(plan))
+        return runner.model.forward(*runner._prepare(plan, None))
 
 
 def entries(root) -> list:
