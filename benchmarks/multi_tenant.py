@@ -81,6 +81,23 @@ def prefix_totals(url: str) -> tuple[int, int]:
     return sum(s["num_prefix_queries"] for s in stats), sum(s["num_prefix_hits"] for s in stats)
 
 
+def ttft_sums(url: str) -> dict[str, tuple[float, int]]:
+    """(sum of TTFTs, requests) so far, as the ingress measured them (its /metrics histogram) and as the
+    replicas did (from a call's start there to its first token leaving): what lies between the client's
+    TTFT and those two is the hops'."""
+    from prometheus_client.parser import text_string_to_metric_families
+    ingress = [0.0, 0]
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name == "iterserve:time_to_first_token_seconds_sum":
+                ingress[0] += s.value
+            elif s.name == "iterserve:time_to_first_token_seconds_count":
+                ingress[1] += int(s.value)
+    stats = httpx.get(f"{url}/health", timeout=30).json()["replicas"].values()
+    return {"ingress": (ingress[0], ingress[1]),
+            "replica": (sum(s["ttft_sum_s"] for s in stats), sum(s["num_first_tokens"] for s in stats))}
+
+
 def serving_cpu_seconds() -> float:
     """CPU seconds used so far by everything serving the trace except the engines: this process (the
     load generator) and Ray's own (proxy, ingress, controller, GCS, raylet, agents). On a host whose
@@ -125,6 +142,7 @@ def real_run(args: argparse.Namespace, trace, policy: str, port: int) -> dict:
         warm_up(url, args.replicas)
         time.sleep(1.5)  # the replicas' reports arrive on Ray's stats poll (every 0.5 s)
         queries0, hits0 = prefix_totals(url)
+        ttft0 = ttft_sums(url)
         cpu0 = serving_cpu_seconds()
         result = run_http(trace, url, MODEL_NAME)
         frontend_s = serving_cpu_seconds() - cpu0
@@ -133,9 +151,12 @@ def real_run(args: argparse.Namespace, trace, policy: str, port: int) -> dict:
         while time.monotonic() < deadline and prefix_totals(url)[0] < expected:
             time.sleep(0.2)
         queries, hits = prefix_totals(url)
+        ttft1 = ttft_sums(url)
+        hops = {f"ttft_mean_{where}_s": (ttft1[where][0] - ttft0[where][0]) / max(1, ttft1[where][1] - ttft0[where][1])
+                for where in ttft1}
         rate = (hits - hits0) / (queries - queries0) if queries > queries0 else 0.0
         tokens = sum(r.output_len for r in trace.requests)
-        return {**_figures(summarize(result, per_request=False)), "prefix_hit_rate": rate,
+        return {**_figures(summarize(result, per_request=False)), "prefix_hit_rate": rate, **hops,
                 "frontend_cpu_s_per_token": frontend_s / tokens}
     finally:
         serve.delete("default")
@@ -190,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     print("front end (load generator + Ray proxy, ingress, controller) CPU per streamed token: "
           + ", ".join(f"{p} {r['real']['frontend_cpu_s_per_token'] * 1e3:.2f} ms" for p, r in rows.items())
           + "; `sim` adds it to each request's step cost, `sim-engine` prices the engines alone")
+    print("real TTFT mean where it was measured (client / ingress / replica): " + ", ".join(
+        f"{p} {r['real']['ttft_mean_s']:.3f} / {r['real']['ttft_mean_ingress_s']:.3f} / "
+        f"{r['real']['ttft_mean_replica_s']:.3f} s" for p, r in rows.items()))
     head = f"{'policy':<17}{'run':<11}{'hit rate':>9}{'TTFT mean s':>13}{'out tok/s':>11}{'failed':>8}"
     print(head + f"{'sim err tok/s':>15}{'sim err TTFT':>14}")
     print("-" * (len(head) + 29))

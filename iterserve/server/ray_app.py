@@ -48,6 +48,10 @@ class EngineReplica:
     def __init__(self, build_engine: Callable[[], object], request_timeout: float | None = None) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.num_requests = 0
+        # Replica-side TTFT (the call's start to its first token leaving the replica): set against the
+        # ingress's own TTFT, it tells the engine's share of what the client waits from the hops'.
+        self.num_first_tokens = 0
+        self.ttft_sum_s = 0.0
         self.async_engine = AsyncEngine(build_engine, request_timeout=request_timeout,
                                         on_step=lambda stats, outputs: setattr(self, "stats", stats))
         self.stats = self.async_engine.engine.stats
@@ -56,11 +60,17 @@ class EngineReplica:
                        cache_salt: str | None) -> AsyncIterator[RequestOutput | str]:
         """Yields this replica's id once the engine accepted the request (bad input raises before), then
         its outputs."""
+        start = time.monotonic()
         stream = await self.async_engine.add_request(prompt, params, request_id=request_id, priority=priority,
                                                      cache_salt=cache_salt)
         self.num_requests += 1
         yield self.replica_id
+        first = True
         async for out in stream:
+            if first and out.new_token_ids:
+                first = False
+                self.num_first_tokens += 1
+                self.ttft_sum_s += time.monotonic() - start
             yield out
 
     def info(self) -> dict:
@@ -74,6 +84,7 @@ class EngineReplica:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting + s.num_swapped, "kv_usage": s.kv_usage,
                 "num_preemptions": s.num_preemptions, "num_prefix_queries": s.num_prefix_queries,
                 "num_prefix_hits": s.num_prefix_hits, "num_requests": self.num_requests, "pid": os.getpid(),
+                "num_first_tokens": self.num_first_tokens, "ttft_sum_s": self.ttft_sum_s,
                 "alive": self.async_engine.dead is None}
 
     def check_health(self) -> None:
@@ -269,7 +280,10 @@ def build_ray_app(build_engine: Callable[[], object], num_replicas: int, served_
                                                   "num_gpus": num_gpus_per_replica},
                                max_ongoing_requests=100_000,  # the engine queues (and rejects) by itself
                                request_router_config=router, health_check_period_s=2, health_check_timeout_s=30)
-    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", ray_actor_options={"num_cpus": 0})
+    # Ray's default of 5 ongoing requests per replica would hold every request past the fifth in the
+    # proxy, outside the engines' queues, metrics and routing, capping the whole app's batch at 5.
+    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=100_000)
     return ingress.bind(replica.bind(build_engine, request_timeout), served_model_name, **app_kwargs)
 
 

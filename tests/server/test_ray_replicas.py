@@ -80,8 +80,19 @@ def test_two_replicas_serve_the_openai_client_then_survive_a_killed_one(cluster)
     # both replicas took requests (their reports arrive on Ray's stats poll)
     wait_for(lambda: all(s["num_requests"] >= 2 for s in health(url).values()), 30,
              "requests did not reach both replicas")
+    # each replica timed the first token of every request it served, from its own side of the hop
+    wait_for(lambda: all(s["num_first_tokens"] >= 2 and s["ttft_sum_s"] > 0 for s in health(url).values()), 30,
+             "the replicas did not report their TTFTs")
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert metrics.count('iterserve:replica_requests_total{model_name="test-model",replica=') == 2
+
+    # more requests than Ray's default of 5 ongoing per deployment replica reach the engines at once
+    with ThreadPoolExecutor(12) as pool:
+        batch = [pool.submit(client.completions.create, model=MODEL, prompt=[k + 20] * 4, max_tokens=150)
+                 for k in range(12)]
+        wait_for(lambda: sum(s["num_running"] + s["num_waiting"] for s in health(url).values()) == 12, 30,
+                 "the ingress held requests back from the replicas")
+        assert all(f.result().usage.completion_tokens == 150 for f in batch)
 
     # four long streams, two per replica (round-robin); kill one replica while all four run
     def long_stream(k: int) -> str:
