@@ -1,0 +1,585 @@
+"""iterserve against its CPU peers, side by side in one run on this machine: llama.cpp's `llama-server`
+(a BF16 GGUF and the Q4_1 GGUF of the same model) and OpenVINO GenAI (fp16, int8 and int4 weights, u8
+KV cache), one at a time, never two at once.
+
+    python benchmarks/peers.py                                    # the full comparison (builds peers first)
+    python benchmarks/peers.py --num-requests 4 --output-len 16   # a smoke run
+    python benchmarks/peers.py --setup-only                       # build / install the peers, measure nothing
+    python benchmarks/peers.py --skip openvino --llama-server ~/llama.cpp/build/bin/llama-server
+
+Figures, in one table:
+- throughput: --num-requests requests of --prompt-len tokens, --concurrency in flight, --output-len
+  tokens each (greedy, ignore_eos, so every request makes them all): output tok/s through HTTP for
+  `iterserve serve` and each llama-server (iterserve's own load generator, `iterserve.bench.run_http`,
+  the same token-id prompts as `iterserve bench`), and offline for `iterserve.LLM` and OpenVINO GenAI's
+  ContinuousBatchingPipeline (the continuous-batching backend its LLMPipeline uses with a
+  SchedulerConfig): the like-for-like row, as OpenVINO GenAI has no server here. Ratios iterserve / peer.
+- one stream: --stream-requests requests of the same lengths one after another through each server;
+  mean TTFT and TPOT (mean inter-token time after the first).
+- start-up: spawn to the first 200 from /health; RSS of the server process and its children after the
+  runs (for the offline rows: the process's RSS after its run).
+
+The KV budget is the same for every engine, in token positions: --max-num-seqs slots (default
+--concurrency) and a pool of KVBudget.tokens positions, by default just enough for every slot to hold a
+whole request (prompt + output), or what iterserve's --kv-cache-memory holds. iterserve gets
+--max-num-seqs and --num-kv-blocks (tokens / its block size), llama-server -np slots -c tokens (it
+splits -c evenly over its slots, so each slot must hold a whole request), OpenVINO max_num_seqs and
+num_kv_blocks (tokens / its block size); llama-server runs with --cache-ram 0 (no host-RAM prompt
+cache beside the pool, 8 GiB by default) and -t/-tb --threads. The bytes differ by design: float32 or
+bfloat16 K/V here, f16 in llama.cpp, u8 in OpenVINO.
+
+The peers are built or installed once into --peers-dir (default ~/.cache/iterserve-peers), all under
+nice: llama.cpp from the vendor/ tree of PyPI's llama-cpp-python sdist (cmake, GGML_NATIVE, -j2), its
+BF16 GGUF by `llama-quantize --allow-requantize` of the Q4_1 file (dequantized, tokenizer metadata kept);
+OpenVINO GenAI into a venv of its own (torch==2.13.0 CPU first), the model exported by optimum-intel
+from a Hugging Face directory that transformers builds from the GGUF. Give your own with --llama-server,
+--llama-quantize, --openvino-python. The OpenVINO run is this file run by that venv's python
+(`--openvino-child`: stdlib and openvino_genai only, so nothing at module level imports iterserve).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+MiB = 1 << 20
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+OV_PACKAGES = ["openvino-genai==2026.4.1.0", "openvino-tokenizers", "optimum-intel", "nncf", "gguf"]
+OV_WEIGHTS = ("fp16", "int8", "int4")
+NICE = ["nice", "-n", "19"]
+
+
+# ---------------------------------------------------------------- the KV budget (pure)
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    """One KV budget for every engine: `slots` sequences at once over a pool of `tokens` positions."""
+
+    slots: int
+    tokens: int
+
+    def iterserve_args(self, block_size: int) -> list[str]:
+        return ["--max-num-seqs", str(self.slots), "--num-kv-blocks", str(self.tokens // block_size)]
+
+    def llama_server_args(self) -> list[str]:
+        return ["-np", str(self.slots), "-c", str(self.tokens)]
+
+    def openvino(self, block_size: int) -> dict[str, int]:
+        return {"max_num_seqs": self.slots, "num_kv_blocks": self.tokens // block_size}
+
+    def describe(self, block_size: int, ov_block_size: int) -> str:
+        return (f"KV budget {self.tokens:,} positions = {self.slots} slots x {self.tokens // self.slots}: "
+                f"iterserve {' '.join(self.iterserve_args(block_size))}; "
+                f"llama-server {' '.join(self.llama_server_args())}; "
+                f"OpenVINO max_num_seqs={self.slots} num_kv_blocks={self.tokens // ov_block_size} "
+                f"(block {ov_block_size})")
+
+
+def kv_budget(slots: int, tokens_per_request: int, block_size: int = 16, kv_cache_memory: int | None = None,
+              kv_bytes_per_token: int | None = None, ov_block_size: int = 32) -> KVBudget:
+    """The budget from iterserve's --kv-cache-memory (whole blocks, as iterserve sizes its pool) or,
+    without it, just enough for every slot to hold a whole request. Positions are rounded down to whole
+    blocks of every engine and a multiple of the slots, so each engine gets exactly the same pool and
+    llama-server's per-slot share is a whole number."""
+    if slots < 1 or tokens_per_request < 1:
+        raise ValueError(f"slots and tokens per request must be >= 1, got {slots} and {tokens_per_request}")
+    unit = math.lcm(block_size, ov_block_size) * slots
+    if kv_cache_memory is None:
+        tokens = math.ceil(slots * tokens_per_request / unit) * unit
+    else:
+        if not kv_bytes_per_token:
+            raise ValueError("--kv-cache-memory needs iterserve's K/V bytes per token")
+        tokens = int(kv_cache_memory // (block_size * kv_bytes_per_token)) * block_size // unit * unit
+    if tokens // slots < tokens_per_request:
+        raise ValueError(f"a KV pool of {tokens} positions over {slots} slots gives each {tokens // slots}, less "
+                         f"than one request's {tokens_per_request} tokens (llama-server splits -c evenly over "
+                         f"-np): raise --kv-cache-memory or lower --max-num-seqs")
+    return KVBudget(slots, tokens)
+
+
+# ---------------------------------------------------------------- processes
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_rss(pid: int) -> int:
+    """VmRSS of a process and all its descendants, in bytes (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+        except OSError:
+            pass
+    return total
+
+
+def self_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def run_logged(cmd: list[str], log: Path, **kw) -> None:
+    """Run a set-up step under nice, its output to `log`; on failure, its tail in the error."""
+    print(f"  $ {shlex.join(cmd)}", flush=True)
+    with open(log, "a") as f:
+        done = subprocess.run(NICE + cmd, stdout=f, stderr=subprocess.STDOUT, **kw)
+    if done.returncode != 0:
+        raise RuntimeError(f"failed ({done.returncode}): {shlex.join(cmd)}\n{log.read_text()[-3000:]}")
+
+
+class Server:
+    """A server process in its own process group: spawned, waited on until /health answers 200, stopped."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, timeout: float, verbose: bool):
+        self.name, self.cmd, self.url = name, cmd, f"http://127.0.0.1:{port}"
+        self.log = None if verbose else tempfile.TemporaryFile()
+        start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.perf_counter() - start
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready: "
+                                   f"{shlex.join(self.cmd)}\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass  # llama-server answers 503 while it loads
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.name} not ready within {timeout:.0f} s\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        if self.log is None:
+            return ""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.log is not None:
+            self.log.close()
+
+
+# ---------------------------------------------------------------- getting the peers
+
+def build_llama_cpp(peers: Path) -> tuple[Path, Path]:
+    """llama-server and llama-quantize from the llama.cpp tree vendored in llama-cpp-python's sdist."""
+    src, bins = peers / "llama.cpp-src", peers / "llama.cpp-src" / "build" / "bin"
+    server, quantize = bins / "llama-server", bins / "llama-quantize"
+    if server.exists() and quantize.exists():
+        return server, quantize
+    log = peers / "llama-build.log"
+    print(f"building llama.cpp into {src} (log: {log}); this takes a while on few cores", flush=True)
+    if not (src / "CMakeLists.txt").exists():
+        tmp = Path(tempfile.mkdtemp(dir=peers))
+        run_logged([sys.executable, "-m", "pip", "download", LLAMA_CPP_PYTHON, "--no-binary", ":all:", "--no-deps",
+                    "-d", str(tmp)], log)
+        sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+        run_logged(["tar", "xzf", str(sdist), "-C", str(tmp)], log)
+        shutil.move(str(next(tmp.glob("llama_cpp_python-*/vendor/llama.cpp"))), src)
+        shutil.rmtree(tmp)
+    # No web UI download (no network at run time), no TLS, static binaries.
+    run_logged(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+                "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"], log)
+    run_logged(["cmake", "--build", str(src / "build"), "-j2", "--target", "llama-server", "llama-quantize"], log)
+    return server, quantize
+
+
+def bf16_gguf(model: Path, quantize: Path, peers: Path) -> Path:
+    """The model's BF16 copy: llama-quantize dequantizes every tensor and writes BF16, metadata kept."""
+    out = peers / "models" / f"{model.stem.split('.')[0]}.BF16.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        run_logged([str(quantize), "--allow-requantize", str(model), str(tmp), "BF16"], peers / "quantize.log")
+        tmp.rename(out)
+    return out
+
+
+def openvino_python(peers: Path) -> Path:
+    """A venv of its own for OpenVINO GenAI and optimum-intel (torch pinned to the CPU wheel first)."""
+    venv = peers / "ov-venv"
+    py = venv / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import openvino_genai, optimum.intel, nncf, gguf"],
+                                      capture_output=True).returncode == 0:
+        return py
+    log = peers / "ov-install.log"
+    print(f"installing OpenVINO GenAI into {venv} (log: {log})", flush=True)
+    if not py.exists():
+        run_logged([sys.executable, "-m", "venv", str(venv)], log)
+    run_logged([str(py), "-m", "pip", "install", "-q", "torch==2.13.0"], log)
+    run_logged([str(py), "-m", "pip", "install", "-q", *OV_PACKAGES, "torch==2.13.0"], log)
+    return py
+
+
+HF_FROM_GGUF = """
+import sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+gguf, out = sys.argv[1], sys.argv[2]
+import os
+d, f = os.path.dirname(gguf), os.path.basename(gguf)
+AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
+AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype="float32").save_pretrained(out)
+"""
+
+
+def openvino_models(model: Path, py: Path, peers: Path, weights: list[str]) -> dict[str, Path]:
+    """OpenVINO IR of the model at each weight format, exported by optimum-intel from a HF directory
+    that transformers builds from the GGUF (dequantized to float32)."""
+    name = model.stem.split(".")[0]
+    hf, log = peers / "hf" / name, peers / "ov-export.log"
+    if not (hf / "config.json").exists():
+        print(f"building a Hugging Face directory from {model.name} into {hf} (log: {log})", flush=True)
+        run_logged([str(py), "-c", HF_FROM_GGUF, str(model), str(hf)], log)
+    out = {}
+    for fmt in weights:
+        ir = peers / "ov-models" / f"{name}-{fmt}"
+        if not (ir / "openvino_model.xml").exists():
+            print(f"exporting {name} to OpenVINO {fmt} into {ir}", flush=True)
+            # Plain per-group int4 for every layer (ratio 1.0): optimum's default mixes int8 in per model.
+            extra = ["--group-size", "128", "--ratio", "1.0"] if fmt == "int4" else []
+            run_logged([str(py), "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", str(hf),
+                        "--task", "text-generation-with-past", "--weight-format", fmt, *extra, str(ir)], log)
+        out[fmt] = ir
+    return out
+
+
+# ---------------------------------------------------------------- measuring
+
+def http_target(server: Server, trace, stream, progress: bool) -> dict:
+    """One server: a warm-up request, the throughput trace, then the single-stream trace."""
+    from iterserve.bench import summarize
+    from iterserve.bench.runner import run_http
+    from iterserve.bench.workload import Trace, TraceRequest
+
+    warm = Trace([TraceRequest("warmup", 16, 4, 0.0, trace.requests[0].prompt_token_ids[:16])], 1)
+    run_http(warm, server.url)
+    tput = summarize(run_http(trace, server.url, progress=progress), per_request=False)
+    one = summarize(run_http(stream, server.url), per_request=False)
+    check_complete(server.name, tput, trace)
+    check_complete(server.name, one, stream)
+    return {"name": server.name, "command": shlex.join(server.cmd), "output_tokens_per_s": tput["output_tokens_per_s"],
+            "ttft_mean_s": tput["ttft_s"]["mean"], "tpot_mean_s": tput["tpot_s"]["mean"],
+            "stream_ttft_s": one["ttft_s"]["mean"], "stream_tpot_s": one["tpot_s"]["mean"],
+            "ready_s": server.ready_s, "rss": tree_rss(server.proc.pid)}
+
+
+def check_complete(name: str, summary: dict, trace) -> None:
+    """Every request finished with all its tokens: otherwise the peers did not do the same work."""
+    if summary["failed"] or summary["output_tokens"] != trace.total_output_tokens:
+        raise RuntimeError(f"{name}: {summary['failed']} requests failed, {summary['output_tokens']} output tokens "
+                           f"of {trace.total_output_tokens} (is ignore_eos honoured? is the context large enough?)")
+
+
+def run_child(name: str, cmd: list[str], timeout: float) -> dict:
+    """An offline run in a child process; its last stdout line is its JSON result."""
+    print(f"  $ {shlex.join(cmd)}", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return {"name": name, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def iterserve_offline_child(args: argparse.Namespace) -> None:
+    """iterserve.LLM over the trace's prompts, all submitted at once; JSON on stdout."""
+    from iterserve import LLM, SamplingParams
+    from iterserve.bench.runner import trace_params
+    from iterserve.bench.workload import Trace
+
+    trace = Trace.load(args.trace)
+    t = time.perf_counter()
+    llm = LLM(args.model, max_num_seqs=args.slots, num_kv_blocks=args.kv_blocks)
+    load_s = time.perf_counter() - t
+    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm.generate([trace.requests[0].prompt_token_ids[:16]], warm, use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in trace.requests], [trace_params(r) for r in trace.requests],
+                        use_tqdm=False)
+    seconds = time.perf_counter() - t
+    print(json.dumps({"output_tokens": sum(len(o.token_ids) for o in outs), "seconds": seconds,
+                      "load_s": load_s, "rss": self_rss()}))
+
+
+def openvino_child(args: argparse.Namespace) -> None:
+    """Runs under the OpenVINO venv's python. The trace's prompts as token ids through
+    ContinuousBatchingPipeline (u8 KV cache, the shared KV budget), all submitted at once; JSON on stdout."""
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as genai
+
+    rows = [json.loads(line) for line in Path(args.trace).read_text().splitlines()[1:] if line.strip()]
+    sched = genai.SchedulerConfig()
+    sched.max_num_seqs, sched.num_kv_blocks = args.slots, args.kv_blocks
+    sched.max_num_batched_tokens = args.max_num_batched_tokens
+    sched.dynamic_split_fuse, sched.enable_prefix_caching = True, True
+    t = time.perf_counter()
+    pipe = genai.ContinuousBatchingPipeline(args.model, sched, "CPU", {"KV_CACHE_PRECISION": ov.Type.u8})
+    load_s = time.perf_counter() - t
+
+    def config(n: int):
+        c = genai.GenerationConfig()
+        c.max_new_tokens = c.min_new_tokens = n
+        c.ignore_eos, c.do_sample = True, False
+        return c
+
+    def ids(tokens: list[int]):
+        return ov.Tensor(np.array([tokens], dtype=np.int64))
+
+    pipe.generate([ids(rows[0]["prompt_token_ids"][:16])], [config(4)])
+    prompts, configs = [ids(r["prompt_token_ids"]) for r in rows], [config(r["output_len"]) for r in rows]
+    t = time.perf_counter()
+    outs = pipe.generate(prompts, configs)
+    seconds = time.perf_counter() - t
+    print(json.dumps({"output_tokens": sum(len(o.m_generation_ids[0]) for o in outs), "seconds": seconds,
+                      "load_s": load_s, "rss": self_rss(),
+                      "settings": {"kv_cache_precision": "u8", "num_kv_blocks": args.kv_blocks,
+                                   "max_num_seqs": args.slots, "openvino_genai": genai.__version__}}))
+
+
+def offline_row(result: dict, trace) -> dict:
+    if result["output_tokens"] != trace.total_output_tokens:
+        raise RuntimeError(f"{result['name']}: {result['output_tokens']} output tokens of {trace.total_output_tokens}")
+    return {**result, "output_tokens_per_s": result["output_tokens"] / result["seconds"]}
+
+
+# ---------------------------------------------------------------- the run
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF file (default: the shipped SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--stream-requests", type=int, default=3, help="single-stream requests, one after another")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="slots for every engine (default: --concurrency)")
+    p.add_argument("--kv-cache-memory", default=None,
+                   help="iterserve's KV pool in bytes (e.g. 1GiB); every peer gets as many positions. Default: "
+                        "just enough for every slot to hold a whole request")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="iterserve's and OpenVINO's step budget")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t / -tb")
+    p.add_argument("--skip", default="", help="comma-separated: iterserve-http, llama-q4_1, llama-bf16, "
+                                              "iterserve-offline, openvino")
+    p.add_argument("--openvino-weights", default=",".join(OV_WEIGHTS), help="OpenVINO weight formats to run")
+    p.add_argument("--peers-dir", default=os.path.expanduser("~/.cache/iterserve-peers"))
+    p.add_argument("--llama-server", default=None, help="a llama-server binary (default: build one in --peers-dir)")
+    p.add_argument("--llama-quantize", default=None, help="a llama-quantize binary (for the BF16 copy)")
+    p.add_argument("--bf16-gguf", default=None, help="the model's BF16 GGUF (default: made by llama-quantize)")
+    p.add_argument("--openvino-python", default=None, help="python of a venv with openvino_genai and optimum-intel")
+    p.add_argument("--serve-args", default="", help="more `iterserve serve` flags, one shell-quoted string")
+    p.add_argument("--llama-args", default="", help="more llama-server flags, one shell-quoted string")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a server may take to start")
+    p.add_argument("--setup-only", action="store_true", help="build / install / export the peers and stop")
+    p.add_argument("--json", default=None, help="write every figure here")
+    p.add_argument("--verbose", action="store_true", help="show the servers' logs and progress bars")
+    # The offline runs, in child processes (OpenVINO's in its own venv).
+    p.add_argument("--iterserve-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--openvino-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--trace", help=argparse.SUPPRESS)
+    p.add_argument("--slots", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--kv-blocks", type=int, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def openvino_block_size(py: Path) -> int:
+    """KV block size of OpenVINO's CPU plugin, which sizes num_kv_blocks (32 where it does not say)."""
+    probe = "import openvino as ov; print(ov.Core().get_property('CPU', 'KV_CACHE_BLOCK_SIZE'))"
+    done = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
+    try:
+        return int(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return 32
+
+
+def setup_peers(args: argparse.Namespace, model: Path, skip: set[str]) -> dict:
+    peers = Path(args.peers_dir)
+    peers.mkdir(parents=True, exist_ok=True)
+    got: dict = {}
+    if not {"llama-q4_1", "llama-bf16"} <= skip:
+        server, quantize = ((Path(args.llama_server), Path(args.llama_quantize or "")) if args.llama_server
+                            else build_llama_cpp(peers))
+        got["llama_server"] = server
+        if "llama-bf16" not in skip:
+            got["bf16"] = Path(args.bf16_gguf) if args.bf16_gguf else bf16_gguf(model, quantize, peers)
+    if "openvino" not in skip:
+        py = Path(args.openvino_python) if args.openvino_python else openvino_python(peers)
+        got["ov_python"] = py
+        got["ov_models"] = openvino_models(model, py, peers, args.openvino_weights.split(","))
+    return got
+
+
+def iterserve_kv_bytes_per_token(model: str) -> int:
+    import torch
+
+    from iterserve.executor.model_runner import pick_device, pick_dtype
+    from iterserve.sim.model_spec import get_model_spec
+    elem = torch.tensor([], dtype=pick_dtype("auto", pick_device("cpu"))).element_size()
+    return get_model_spec(model, elem).kv_bytes_per_token
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    from iterserve.bench import LengthDist, make_trace, materialize_prompts
+    from iterserve.config import parse_bytes
+    from iterserve.model.loader import default_model_path, load_tokenizer
+
+    skip = {s for s in args.skip.split(",") if s}
+    model = Path(args.model or default_model_path()).resolve()
+    peers = setup_peers(args, model, skip)
+    if args.setup_only:
+        return {"peers": {k: str(v) for k, v in peers.items()}}
+    ov_block = openvino_block_size(peers["ov_python"]) if "ov_python" in peers else 32
+    memory = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
+    budget = kv_budget(args.max_num_seqs or args.concurrency, args.prompt_len + args.output_len, 16, memory,
+                       iterserve_kv_bytes_per_token(str(model)) if memory else None, ov_block)
+    tok = load_tokenizer(str(model))
+    fixed = lambda n: LengthDist("fixed", n)  # noqa: E731
+    trace = materialize_prompts(make_trace(args.num_requests, fixed(args.prompt_len), fixed(args.output_len),
+                                           arrivals="closed", concurrency=args.concurrency, seed=args.seed), tok)
+    stream = materialize_prompts(make_trace(args.stream_requests, fixed(args.prompt_len), fixed(args.output_len),
+                                            arrivals="closed", concurrency=1, seed=args.seed + 1), tok)
+    print(budget.describe(16, ov_block), flush=True)
+    http, offline = [], []
+    # No host-RAM prompt cache (8 GiB by default): the KV budget is the pool alone, as for the others.
+    llama = lambda gguf: [str(peers.get("llama_server")), "-m", str(gguf), *budget.llama_server_args(),  # noqa: E731
+                          "-t", str(args.threads), "-tb", str(args.threads), "--cache-ram", "0",
+                          *shlex.split(args.llama_args)]
+    servers = [("iterserve-http", "iterserve serve",
+                [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(model), *budget.iterserve_args(16),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens), *shlex.split(args.serve_args)]),
+               ("llama-q4_1", f"llama-server {model.name}", llama(model)),
+               ("llama-bf16", f"llama-server {Path(peers.get('bf16', 'BF16')).name}", llama(peers.get("bf16")))]
+    for key, name, cmd in servers:
+        if key in skip:
+            continue
+        port = free_port()
+        flag = ["--port", str(port)] + (["--host", "127.0.0.1"] if key.startswith("llama") else [])
+        print(f"{name}: starting", flush=True)
+        server = Server(name, cmd + flag, port, args.timeout, args.verbose)
+        try:
+            http.append(http_target(server, trace, stream, args.verbose))
+        finally:
+            server.stop()
+        print(f"{name}: {http[-1]['output_tokens_per_s']:.1f} out tok/s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="iterserve-peers-") as tmp:
+        path = os.path.join(tmp, "trace.jsonl")
+        trace.save(path)
+        child = ["--trace", path, "--slots", str(budget.slots)]
+        if "iterserve-offline" not in skip:
+            cmd = [sys.executable, os.path.abspath(__file__), "--iterserve-child", "--model", str(model), *child,
+                   "--kv-blocks", str(budget.tokens // 16)]
+            offline.append(offline_row(run_child("iterserve LLM", cmd, 3600), trace))
+        for fmt, ir in peers.get("ov_models", {}).items():
+            cmd = [str(peers["ov_python"]), os.path.abspath(__file__), "--openvino-child", "--model", str(ir), *child,
+                   "--kv-blocks", str(budget.tokens // ov_block), "--max-num-batched-tokens",
+                   str(args.max_num_batched_tokens)]
+            offline.append(offline_row(run_child(f"OpenVINO GenAI {fmt}", cmd, 3600), trace))
+    return {"argv": argv, "model": str(model), "kv_budget": {"slots": budget.slots, "tokens": budget.tokens,
+                                                             "mapping": budget.describe(16, ov_block)},
+            "trace": trace.meta, "concurrency": args.concurrency, "http": http, "offline": offline}
+
+
+def format_report(report: dict) -> str:
+    f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    ms = lambda x: "-" if x is None else f"{1000 * x:.1f}"  # noqa: E731
+    http, offline = report["http"], report["offline"]
+    head = (f"{'peer':<44}{'out tok/s':>10}{'iterserve/x':>12}{'TTFT s':>8}{'TPOT ms':>9}{'1-stream TTFT ms':>17}"
+            f"{'1-stream TPOT ms':>17}{'ready s':>9}{'RSS MiB':>9}")
+    out = [report["kv_budget"]["mapping"], head, "-" * len(head)]
+
+    def rows(title: str, items: list[dict], ours: str) -> None:
+        if not items:
+            return
+        out.append(title)
+        base = next((r["output_tokens_per_s"] for r in items if r["name"].startswith(ours)), None)
+        for r in items:
+            ratio = base / r["output_tokens_per_s"] if base and not r["name"].startswith(ours) else None
+            out.append(f"  {r['name']:<42}{f(r['output_tokens_per_s']):>10}{f(ratio, 2):>12}"
+                       f"{f(r.get('ttft_mean_s'), 2):>8}{ms(r.get('tpot_mean_s')):>9}{ms(r.get('stream_ttft_s')):>17}"
+                       f"{ms(r.get('stream_tpot_s')):>17}{f(r.get('ready_s', r.get('load_s')), 1):>9}"
+                       f"{r['rss'] / MiB:>9.0f}")
+
+    rows("through HTTP (streamed /v1/completions, token-id prompts)", http, "iterserve")
+    rows("offline, in process (ready s: the model load)", offline, "iterserve")
+    ov = [r for r in offline if r["name"].startswith("OpenVINO")]
+    ours = next((r for r in offline if r["name"].startswith("iterserve")), None)
+    if ov and ours:
+        best = max(ov, key=lambda r: r["output_tokens_per_s"])
+        out.append(f"iterserve LLM / best OpenVINO GenAI ({best['name'].split()[-1]}, u8 KV): "
+                   f"{ours['output_tokens_per_s'] / best['output_tokens_per_s']:.2f}x")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.openvino_child:
+        openvino_child(args)
+        return 0
+    if args.iterserve_child:
+        iterserve_offline_child(args)
+        return 0
+    try:
+        report = run(args, argv)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.setup_only:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"$ python benchmarks/peers.py {shlex.join(argv)}")
+    print(f"{report['trace']['num_requests']} requests x prompt {args.prompt_len} -> {args.output_len} tokens, "
+          f"{args.concurrency} concurrent, greedy, ignore_eos; one stream: {args.stream_requests} requests in turn")
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
