@@ -58,6 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    p.add_argument("--stats-period", type=float, default=0.5, help="seconds between the replicas' load reports "
+                   "(Ray Serve's routing-stats poll); the simulator's router reads loads as often")
     p.add_argument("--hardware-profile", default=None, help="cpu-local profile for the simulator "
                    "(default: iterserve calibrate's)")
     p.add_argument("--json", default=None, help="write every figure here")
@@ -134,13 +136,14 @@ def real_run(args: argparse.Namespace, trace, policy: str, port: int) -> dict:
     from iterserve.server.ray_app import build_ray_app, wait_until_ready
     config = EngineConfig(**engine_kwargs(args))
     app = build_ray_app(functools.partial(Engine, config), args.replicas, MODEL_NAME, policy=policy,
-                        block_size=config.cache_config.block_size, num_cpus_per_replica=args.num_cpus_per_replica)
+                        block_size=config.cache_config.block_size, num_cpus_per_replica=args.num_cpus_per_replica,
+                        stats_period_s=args.stats_period)
     serve.run(app, blocking=False)
     try:
         wait_until_ready(600)
         url = f"http://127.0.0.1:{port}"
         warm_up(url, args.replicas)
-        time.sleep(1.5)  # the replicas' reports arrive on Ray's stats poll (every 0.5 s)
+        time.sleep(3 * args.stats_period)  # the replicas' reports arrive on Ray's stats poll
         queries0, hits0 = prefix_totals(url)
         ttft0 = ttft_sums(url)
         cpu0 = serving_cpu_seconds()
@@ -165,13 +168,15 @@ def real_run(args: argparse.Namespace, trace, policy: str, port: int) -> dict:
 def simulated_run(args: argparse.Namespace, trace, policy: str, frontend_s_per_token: float = 0.0) -> dict:
     """The simulator's replicas, each step priced by the calibrated profile plus, per request in the
     step, the front end's CPU per streamed token measured in the real run (one core per replica: the
-    front end's work for a replica's tokens is taken from that replica's core)."""
+    front end's work for a replica's tokens is taken from that replica's core). Its router reads the
+    replicas' loads every --stats-period seconds, as the real one reads their polled reports."""
     model, hw = resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=args.hardware_profile,
                                            dtype_bytes=None, model=args.model))
     hw = with_overrides(hw, seq_overhead_s=hw.seq_overhead_s + frontend_s_per_token)
     config = EngineConfig(**{**engine_kwargs(args), "model": None})
     engines = [make_engine(config, model, hw) for _ in range(args.replicas)]
-    result, stats = run_cluster(engines, trace, make_router(policy, args.seed), f"sim {policy}")
+    result, stats = run_cluster(engines, trace, make_router(policy, args.seed), f"sim {policy}",
+                                report_interval=args.stats_period)
     return {**_figures(summarize(result, per_request=False)), "prefix_hit_rate": stats.prefix_hit_rate}
 
 
