@@ -44,13 +44,14 @@ def params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def run_colocated(args, trace) -> dict[str, object]:
+def run_colocated(args, trace, probe: dict | None = None) -> dict[str, object]:
+    """probe: filled with the engine's step records and the process's CPU seconds (--check-steps)."""
     from iterserve.engine.engine import Engine
     engine = Engine(EngineConfig(**config(args), num_threads=args.cores))
     engine.add_request(trace[0][2][:8], params(2))  # warm-up: one-time costs out of the measurement
     while engine.has_unfinished():
         engine.step()
-    done, i, start = {}, 0, time.monotonic()
+    done, i, start, cpu = {}, 0, time.monotonic(), time.process_time()
     while len(done) < len(trace):
         now = time.monotonic() - start
         while i < len(trace) and trace[i][0] <= now:
@@ -62,18 +63,37 @@ def run_colocated(args, trace) -> dict[str, object]:
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = o
+    if probe is not None:
+        probe["records"] = {"engine": [r for r in engine.step_records if r.start >= start]}
+        probe["cpu_s"] = {"engine (this process)": time.process_time() - cpu}
+        probe["wall_s"] = time.monotonic() - start
     return done
 
 
-def run_pd(args, trace) -> dict[str, object]:
+def run_pd(args, trace, probe: dict | None = None) -> dict[str, object]:
+    """probe: filled with each engine's step records (from the stats it reports after every step) and
+    the CPU seconds of the front (this process) and of each engine process (--check-steps)."""
     from iterserve.server.pd_engines import PDEngines
     x, y = parse_pd(args.pd)
     pd = PDEngines({**config(args), "num_threads": pd_threads(args)}, args.transport, x, y)
+    records: dict[str, list] = {name: [] for name in pd.procs}
+    steps_seen = dict.fromkeys(pd.procs, 0)
+    if probe is not None:
+        report = pd._report
+
+        def recording(name, stats):  # an engine reports after every step it runs, with that step's record
+            if stats.last_step is not None and stats.num_steps > steps_seen[name]:
+                steps_seen[name] = stats.num_steps
+                records[name].append(stats.last_step)
+            report(name, stats)
+        pd._report = recording
     try:
         pd.add_request(trace[0][2][:8], params(2), "warm-up")
         while pd.has_unfinished():
             pd.get_outputs(0.05)
         done, i, start = {}, 0, time.monotonic()
+        cpu = {name: _proc_cpu_s(p.pid) for name, p in pd.procs.items()}
+        front = time.process_time()
         while len(done) < len(trace):
             now = time.monotonic() - start
             while i < len(trace) and trace[i][0] <= now:
@@ -84,9 +104,25 @@ def run_pd(args, trace) -> dict[str, object]:
                     if o.error:
                         raise RuntimeError(f"request {o.request_id}: {o.error}")
                     done[o.request_id] = o
+        if probe is not None:
+            probe["records"] = {name: [r for r in recs if r.start >= start] for name, recs in records.items()}
+            probe["cpu_s"] = {"front (this process)": time.process_time() - front,
+                              **{name: _proc_cpu_s(p.pid) - cpu[name] for name, p in pd.procs.items()}}
+            probe["wall_s"] = time.monotonic() - start
         return done
     finally:
         pd.close()
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc; 0 elsewhere)."""
+    import os
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def pd_threads(args) -> int:
@@ -109,26 +145,83 @@ def table(name: str, trace, done) -> list[dict]:
     return rows
 
 
-def simulated(args, trace) -> list[dict]:
+def simulated(args, trace, sim_steps: dict | None = None, host: dict[str, float] | None = None) -> list[dict]:
     """The same trace through the simulator: colocated priced by --sim-profile (calibrated with --cores
     threads), the P/D engines by --sim-pd-profile (one engine's threads, calibrated beside a second
-    calibration, as the engines run beside each other), the KV hand-off at the host link's bandwidth."""
+    calibration, as the engines run beside each other; the decode engines by --sim-decode-profile where
+    given), the KV hand-off at the host link's bandwidth. sim_steps: filled with each target's simulated
+    step records. host: seconds per step added to the colocated, prefill and decode engines' steps
+    (what host_time measured in the real run)."""
     from iterserve.bench.workload import Trace, TraceRequest
-    from iterserve.sim.cli import make_engine, resolve, simulate_trace
+    from iterserve.sim.cli import make_engine, simulate_trace
     from iterserve.sim.disagg import run_disagg
+    from iterserve.sim.hardware import with_overrides
 
     def requests() -> Trace:
         return Trace([TraceRequest(str(i), len(ids), n, t, ids) for i, (t, _, ids, n) in enumerate(trace)])
 
-    def spec(path: str):
-        return resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=path, dtype_bytes=None, model=None))
+    def spec(path: str, role: str):
+        model, hw = sim_spec(path)
+        return model, with_overrides(hw, step_overhead_s=hw.step_overhead_s + (host or {}).get(role, 0.0))
+    suffix = " + host" if host else ""
     sim_config = EngineConfig(**config(args), model=None)
-    model, hw = spec(args.sim_profile)
-    rows = sim_table(f"sim colocated ({args.cores} cores)", trace, simulate_trace(requests(), sim_config, model, hw))
-    model, hw = spec(args.sim_pd_profile or args.sim_profile)
+    model, hw = spec(args.sim_profile, "colocated")
+    colocated = simulate_trace(requests(), sim_config, model, hw)
+    rows = sim_table(f"sim colocated{suffix}", trace, colocated)
+    pd_profile = args.sim_pd_profile or args.sim_profile
+    model, hw = spec(pd_profile, "prefill")
+    d_model, d_hw = spec(args.sim_decode_profile or pd_profile, "decode")
     x, y = parse_pd(args.pd)
-    result = run_disagg(lambda: make_engine(sim_config, model, hw), x, y, requests(), hw.host_link_bandwidth)
-    return rows + sim_table(f"sim {args.pd.upper()}", trace, result)
+    result = run_disagg(lambda: make_engine(sim_config, model, hw), x, y, requests(), hw.host_link_bandwidth,
+                        make_decode_engine=lambda: make_engine(sim_config, d_model, d_hw))
+    if sim_steps is not None:
+        sim_steps["colocated"], sim_steps["pd"] = colocated.steps, result.steps
+    return rows + sim_table(f"sim {args.pd.upper()}{suffix}", trace, result)
+
+
+def host_time(trace, probes: dict) -> dict[str, float]:
+    """Per role, the real seconds per step the profiles do not price: the engine's mean busy gap between
+    steps and, for the P/D engines, the front's CPU spread over all their steps (the front runs on the
+    cores the engines share)."""
+    from iterserve.sim.step_check import busy_gaps, shapes_from_records
+    prompt_lens = {str(i): len(ids) for i, (_, _, ids, _) in enumerate(trace)}
+    gaps: dict[str, list[float]] = {"colocated": [], "prefill": [], "decode": []}
+    for target, probe in probes.items():
+        for name, records in probe["records"].items():
+            role = "colocated" if target == "colocated" else name.split("-")[0]
+            gaps[role] += busy_gaps(shapes_from_records(records, prompt_lens))
+    out = {role: sum(g) / len(g) if g else 0.0 for role, g in gaps.items()}
+    steps = len(gaps["prefill"]) + len(gaps["decode"])
+    front = probes.get("pd", {}).get("cpu_s", {}).get("front (this process)", 0.0)
+    for role in ("prefill", "decode"):
+        out[role] += front / steps if steps else 0.0
+    return out
+
+
+def sim_spec(path: str):
+    """(model spec, hardware spec) of a cpu-local profile."""
+    from iterserve.sim.cli import resolve
+    return resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=path, dtype_bytes=None, model=None))
+
+
+def print_checks(args, trace, probes: dict, sim_steps: dict) -> None:
+    """--check-steps: each engine's real steps priced by its profile, beside the simulator's steps on the
+    same trace, and the CPU each process of the run used."""
+    from iterserve.sim.cost_model import CostModel
+    from iterserve.sim.step_check import check_steps, format_check, shapes_from_records
+    prompt_lens = {str(i): len(ids) for i, (_, _, ids, _) in enumerate(trace)}
+    pd_profile = args.sim_pd_profile or args.sim_profile
+    profiles = {"colocated": args.sim_profile, "prefill": pd_profile, "decode": args.sim_decode_profile or pd_profile}
+    for target, probe in probes.items():
+        print(f"\n== {target}: {probe['wall_s']:.1f} s of wall time; CPU seconds per wall second: "
+              + ", ".join(f"{name} {cpu / probe['wall_s']:.2f}" for name, cpu in probe["cpu_s"].items()))
+        for name, records in probe["records"].items():
+            cost = CostModel(*sim_spec(profiles["colocated" if target == "colocated" else name.split("-")[0]]))
+            print(format_check(f"real {name}", check_steps(shapes_from_records(records, prompt_lens), cost)))
+        shapes = shapes_from_records(sim_steps[target], prompt_lens)
+        cost = CostModel(*sim_spec(profiles["colocated" if target == "colocated" else "prefill"]))
+        print(format_check(f"simulated {target} (every engine; priced again by the {target.replace('pd', 'prefill')} "
+                           "profile)", check_steps(shapes, cost)))
 
 
 def sim_table(name: str, trace, result) -> list[dict]:
@@ -158,16 +251,29 @@ def main(argv: list[str] | None = None) -> int:
                    "(`iterserve calibrate --num-threads CORES`) for colocated")
     p.add_argument("--sim-pd-profile", default=None, help="the profile for one P/D engine (calibrated with its "
                    "threads while a second calibration runs beside it; default: --sim-profile)")
+    p.add_argument("--sim-decode-profile", default=None, help="the profile for the P/D decode engines where they "
+                   "differ (e.g. `calibrate --neighbor prefill:1:512`: timed beside a prefill engine's work); "
+                   "default: --sim-pd-profile")
+    p.add_argument("--check-steps", action="store_true", help="also price every real step with the profiles and "
+                   "print, per engine and step kind, real vs priced time and the time between steps, beside the "
+                   "simulator's steps and each process's CPU use, then simulate again with the time between "
+                   "steps and the P/D front's CPU added to each engine's steps ('+ host' rows; needs --sim-profile)")
     args = p.parse_args(argv)
+    if args.check_steps and not args.sim_profile:
+        p.error("--check-steps prices the real steps with --sim-profile: give it")
     trace = make_trace(args)
     print(f"$ python benchmarks/pd_mixed.py {shlex.join(sys.argv[1:] if argv is None else argv)}")
     print(f"{sum(r[1] == 'chat' for r in trace)} chats of {args.chat_len}+{args.chat_output} tokens, "
           f"{sum(r[1] == 'long' for r in trace)} prompts of {args.long_len} tokens, over {args.duration:.0f} s")
-    rows = table(f"colocated ({args.cores} cores)", trace, run_colocated(args, trace))
-    rows += table(f"{args.pd.upper()} ({pd_threads(args)} core each, {args.transport})", trace, run_pd(args, trace))
-    if args.sim_profile:  # rows in the real rows' order, so each is compared with its twin
-        for real, sim in zip(list(rows), simulated(args, trace)):
-            sim["err_tpot_p99"] = _err(sim["tpot_p99_s"], real["tpot_p99_s"])
+    probes = {"colocated": {}, "pd": {}} if args.check_steps else {}
+    rows = table(f"colocated ({args.cores} cores)", trace, run_colocated(args, trace, probes.get("colocated")))
+    rows += table(f"{args.pd.upper()} ({pd_threads(args)} core each, {args.transport})", trace,
+                  run_pd(args, trace, probes.get("pd")))
+    sim_steps: dict = {}
+    real_rows, host = list(rows), host_time(trace, probes) if probes else None
+    for extra in ([None, host] if host else [None]) if args.sim_profile else []:
+        for real, sim in zip(real_rows, simulated(args, trace, sim_steps if extra is None else None, extra)):
+            sim["err_tpot_p99"] = _err(sim["tpot_p99_s"], real["tpot_p99_s"])  # each row against its real twin
             sim["err_ttft_mean"] = _err(sim["ttft_mean_s"], real["ttft_mean_s"])
             rows.append(sim)
     ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
@@ -177,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['target']:<32} {r['kind']:<5} {r['n']:>4} {ms(r['tpot_p50_s']):>12} {ms(r['tpot_p99_s']):>12} "
               f"{ms(r['ttft_mean_s']):>13}{pct(r.get('err_tpot_p99')):>13}{pct(r.get('err_ttft_mean')):>14}")
+    if probes:
+        print_checks(args, trace, probes, sim_steps)
+        print("unpriced host time per step added in the '+ host' rows: "
+              + ", ".join(f"{role} {t * 1e3:.2f} ms" for role, t in host.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=2)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -65,49 +67,83 @@ def measure_bandwidth(mib: int = 256, reps: int = 5) -> float:
 
 # ---------------------------------------------------------------- real step times
 
-def _decode_plan(batch: int, context: int, block_size: int) -> SchedulerOutput:
+def _decode_plan(batch: int, context: int, block_size: int, first_block: int = 0) -> SchedulerOutput:
     """`batch` requests, each decoding its token number `context`, on disjoint blocks."""
     per = -(-context // block_size)
-    reqs = [ScheduledRequest(f"c{i}", [100 + i], context - 1, list(range(i * per, (i + 1) * per)), True, GREEDY, 1)
+    reqs = [ScheduledRequest(f"c{i}", [100 + i], context - 1,
+                             list(range(first_block + i * per, first_block + (i + 1) * per)), True, GREEDY, 1)
             for i in range(batch)]
     return SchedulerOutput(reqs, block_size)
 
 
-def _prefill_plan(batch: int, length: int, block_size: int, cached: int = 0) -> SchedulerOutput:
+def _prefill_plan(batch: int, length: int, block_size: int, cached: int = 0, first_block: int = 0) -> SchedulerOutput:
     """`batch` prompt chunks of `length` tokens, each after `cached` tokens already in the cache
     (a prefix-cache hit or an earlier chunk): its attention reads them through the block table."""
     per = -(-(cached + length) // block_size)
     reqs = [ScheduledRequest(f"p{i}", [(7 * j + i) % 1000 + 10 for j in range(length)], cached,
-                             list(range(i * per, (i + 1) * per)), True, GREEDY, 0) for i in range(batch)]
+                             list(range(first_block + i * per, first_block + (i + 1) * per)), True, GREEDY, 0)
+            for i in range(batch)]
     return SchedulerOutput(reqs, block_size)
 
 
-def parse_points(spec: str) -> list[tuple[str, int, int, int]]:
-    """`decode:16:1024,prefill:1:64@1024` -> [(kind, batch, length, cached)]; ValueError names a bad one."""
+def _plan(point: tuple, block_size: int) -> SchedulerOutput:
+    """A point's step: decode rows, prompt chunks, or (mixed) the decode rows then the chunks, as the
+    scheduler orders a step that continues running requests and starts prompts."""
+    kind, batch, length, cached = point[:4]
+    if kind == "decode":
+        return _decode_plan(batch, length, block_size)
+    if kind == "prefill":
+        return _prefill_plan(batch, length, block_size, cached)
+    decode = _decode_plan(batch, length, block_size)
+    first = batch * -(-length // block_size)
+    chunks, chunk, chunk_cached = point[4]
+    prompt = _prefill_plan(chunks, chunk, block_size, chunk_cached, first_block=first)
+    return SchedulerOutput(decode.scheduled + prompt.scheduled, block_size)
+
+
+def _point_blocks(point: tuple) -> int:
+    kind, batch, length, cached = point[:4]
+    blocks = batch * -(-(length + cached) // 16)
+    return blocks + (point[4][0] * -(-(point[4][1] + point[4][2]) // 16) if kind == "mixed" else 0)
+
+
+def parse_points(spec: str) -> list[tuple]:
+    """`decode:16:1024,prefill:1:64@1024,mixed:16:100+512@1024` -> [(kind, batch, length, cached)], a mixed
+    point (B decode rows at context C plus one chunk of LEN after CACHED) as ("mixed", B, C, 0, (1, LEN, CACHED));
+    ValueError names a bad one."""
     points = []
+    usage = "use decode:BATCH:CONTEXT, prefill:BATCH:LENGTH[@CACHED] or mixed:BATCH:CONTEXT+LENGTH[@CACHED]"
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, rest = item.partition(":")
         batch, _, length = rest.partition(":")
-        length, _, cached = length.partition("@")
+        context, _, chunk = length.partition("+")  # mixed: the decodes' context, then the chunk
+        if kind == "prefill":
+            chunk = length
+        chunk, _, cached = chunk.partition("@")
         try:
-            point = (kind, int(batch), int(length), int(cached or 0))
+            if kind == "decode":
+                point = (kind, int(batch), int(length), 0)
+            elif kind == "prefill":
+                point = (kind, int(batch), int(chunk), int(cached or 0))
+            else:
+                point = (kind, int(batch), int(context), 0, (1, int(chunk), int(cached or 0)))
         except ValueError:
             point = None
-        if kind not in ("decode", "prefill") or point is None or min(point[1:3]) < 1 or point[3] < 0 \
-                or kind == "decode" and cached:
-            raise ValueError(f"bad point {item!r}: use decode:BATCH:CONTEXT or prefill:BATCH:LENGTH[@CACHED]")
+        if kind not in ("decode", "prefill", "mixed") or point is None or min(point[1:3]) < 1 or point[3] < 0 \
+                or kind == "mixed" and (point[4][1] < 2 or point[4][2] < 0):
+            raise ValueError(f"bad point {item!r}: {usage}")
         points.append(point)
     if not points:
         raise ValueError("--points lists no point")
     return points
 
 
-def measure_steps(runner, points: list[tuple[str, int, int, int]], reps: int) -> list[dict]:
+def measure_steps(runner, points: list[tuple], reps: int) -> list[dict]:
     """Median wall time of runner.execute for each (kind, batch, length, cached) point."""
     rows = []
-    for kind, batch, length, cached in points:
-        plan = (_decode_plan(batch, length, runner.block_size) if kind == "decode"
-                else _prefill_plan(batch, length, runner.block_size, cached))
+    for point in points:
+        kind, batch, length, cached = point[:4]
+        plan = _plan(point, runner.block_size)
         runner.execute(plan)  # warm-up
         times = []
         for _ in range(reps):
@@ -118,10 +154,18 @@ def measure_steps(runner, points: list[tuple[str, int, int, int]], reps: int) ->
         rows.append({"kind": kind, "batch": batch, "length": length, "cached": cached, "q_lens": q,
                      "ctx_lens": [s.start_pos + len(s.token_ids) for s in plan.scheduled],
                      "measured_s": statistics.median(times)})
-        after = f" after {cached}" if cached else ""
+        if kind == "mixed":
+            rows[-1]["chunk"], rows[-1]["chunk_cached"] = point[4][1], point[4][2]
         ms = rows[-1]["measured_s"] * 1e3
-        print(f"  {kind:<7} batch {batch:>3} len {length:>4}{after}: {ms:8.1f} ms", flush=True)
+        print(f"  {kind:<7} batch {batch:>3} len {_point_label(rows[-1]):>9}: {ms:8.1f} ms", flush=True)
     return rows
+
+
+def _point_label(row: dict) -> str:
+    """length[@cached]; a mixed step: context+chunk[@cached]."""
+    if row["kind"] == "mixed":
+        return f"{row['length']}+{row['chunk']}" + (f"@{row['chunk_cached']}" if row["chunk_cached"] else "")
+    return f"{row['length']}@{row['cached']}" if row.get("cached") else str(row["length"])
 
 
 class _NullExecutor:
@@ -186,24 +230,51 @@ ATTENTION_GRID = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8]
 
 
 def fit_profile(model: ModelSpec, base: HardwareSpec, rows: list[dict]) -> tuple[HardwareSpec, float]:
-    """Grid over efficiencies, least squares for the two overheads; minimise squared relative error."""
-    y = np.array([r["measured_s"] for r in rows])
-    batch = np.array([len(r["q_lens"]) for r in rows], float)
+    """Grid over efficiencies, least squares for the two overheads; minimise squared relative error.
+    Mixed steps (decode rows and prompt chunks together) take no part in that: what they cost beyond
+    their parts priced so is fitted afterwards (fit_mixed)."""
+    pure = [r for r in rows if r["kind"] != "mixed"]
+    y = np.array([r["measured_s"] for r in pure])
+    batch = np.array([len(r["q_lens"]) for r in pure], float)
     a = np.vstack([np.ones_like(y), batch]).T / y[:, None]  # rows scaled by 1/y: relative residuals
     best = (float("inf"), base)
+    zero = {"step_overhead_s": 0.0, "layer_overhead_s": 0.0, "seq_overhead_s": 0.0, "mixed_step_overhead_s": 0.0,
+            "mixed_seq_overhead_s": 0.0}
     for mem, lin, att, att_mem in itertools.product(EFFICIENCY_GRID, EFFICIENCY_GRID, ATTENTION_GRID, ATTENTION_GRID):
-        hw = HardwareSpec(**{**base.to_json(), "mem_efficiency": mem, "flops_efficiency": lin, "attn_efficiency": att,
-                             "attn_mem_efficiency": att_mem, "step_overhead_s": 0.0, "layer_overhead_s": 0.0,
-                             "seq_overhead_s": 0.0})
-        roof = _roofline_times(model, hw, rows)
+        hw = replace(base, mem_efficiency=mem, flops_efficiency=lin, attn_efficiency=att, attn_mem_efficiency=att_mem,
+                     **zero)
+        roof = _roofline_times(model, hw, pure)
         coef, *_ = np.linalg.lstsq(a, (y - roof) / y, rcond=None)
         coef = np.maximum(coef, 0.0)
         pred = roof + coef[0] + coef[1] * batch
         err = float(np.sum(((pred - y) / y) ** 2))
         if err < best[0]:
-            best = (err, HardwareSpec(**{**hw.to_json(), "step_overhead_s": float(coef[0]),
-                                         "seq_overhead_s": float(coef[1])}))
-    return best[1], best[0]
+            best = (err, replace(hw, step_overhead_s=float(coef[0]), seq_overhead_s=float(coef[1])))
+    err, hw = best
+    mixed = [r for r in rows if r["kind"] == "mixed"]
+    if not mixed:
+        return hw, err
+    hw = fit_mixed(model, hw, mixed)
+    return hw, err + sum((p / r["measured_s"] - 1) ** 2 for r, p in zip(mixed, predict_rows(model, hw, mixed)))
+
+
+def fit_mixed(model: ModelSpec, hw: HardwareSpec, rows: list[dict]) -> HardwareSpec:
+    """The mixed-step overheads (per step, per decode row in it): least squares on what the mixed points
+    measured beyond their price without them, relative like the main fit; none below zero. One point, or
+    points that all have the same number of decode rows, give the per-step term alone."""
+    y = np.array([r["measured_s"] for r in rows])
+    excess = (y - np.array(predict_rows(model, hw, rows))) / y  # relative to each step, like the main fit
+    count = np.array([sum(q == 1 for q in r["q_lens"]) for r in rows], float)
+    ones, decodes = 1 / y, count / y
+    fixed = per_row = -1.0
+    if len(set(count)) > 1:
+        (fixed, per_row), *_ = np.linalg.lstsq(np.vstack([ones, decodes]).T, excess, rcond=None)
+    if fixed < 0 or per_row < 0:  # the best non-negative fit has one term alone (or zero)
+        terms = (ones, decodes) if len(set(count)) > 1 else (ones,)
+        alone = [(max(0.0, float(excess @ x / (x @ x))), x) for x in terms]
+        c, x = min(alone, key=lambda f: float(np.sum((excess - f[0] * f[1]) ** 2)))
+        fixed, per_row = (c, 0.0) if x is ones else (0.0, c)
+    return replace(hw, mixed_step_overhead_s=float(fixed), mixed_seq_overhead_s=float(per_row))
 
 
 def refit(path: str) -> dict:
@@ -237,11 +308,65 @@ QUICK_POINTS = ("decode:1:128,decode:8:128,decode:32:128,decode:32:512,decode:8:
 MORE_POINTS = "decode:4:256,decode:16:256,decode:64:256,prefill:1:32"
 
 
+def _neighbour_loop(point: tuple, runner_kwargs: dict, ready, stop) -> None:
+    """Another engine on the same host, busy: one point's step run over and over until told to stop."""
+    import torch
+    from iterserve.executor.model_runner import ModelRunner
+    if runner_kwargs.get("num_threads"):
+        torch.set_num_threads(runner_kwargs["num_threads"])
+    runner = ModelRunner(EngineConfig(**runner_kwargs))
+    plan = _plan(point, runner.block_size)
+    runner.execute(plan)
+    ready.set()
+    while not stop.is_set():
+        runner.execute(plan)
+
+
+@contextlib.contextmanager
+def neighbour(point: tuple | None, runner_kwargs: dict, start_timeout_s: float = 600.0):
+    """With a point: a second process runs that step in a loop for the whole block, as the other engine
+    of a P/D pair does beside this one (the prefill engine's chunks beside a decode engine: they share
+    the cores' memory bus and caches). Without: nothing."""
+    if point is None:
+        yield
+        return
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_neighbour_loop, args=(point, runner_kwargs, ready, stop), daemon=True)
+    proc.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not ready.wait(0.5):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the neighbour process did not start (exit code {proc.exitcode})")
+        yield
+    finally:
+        stop.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+
+
 def calibrate(model_path: str | None, quick: bool = False, dtype: str = "auto", reps: int = 3,
-              num_threads: int | None = None, points: list[tuple[str, int, int, int]] | None = None) -> dict:
+              num_threads: int | None = None, points: list[tuple] | None = None,
+              neighbour_point: tuple | None = None) -> dict:
+    """neighbour_point: every measurement taken while a second process runs that step in a loop."""
     import torch
     if num_threads:
         torch.set_num_threads(num_threads)
+    if points is None:
+        points = parse_points(QUICK_POINTS if quick else f"{QUICK_POINTS},{MORE_POINTS}")
+    blocks = max(1200, max(_point_blocks(p) for p in [*points, *filter(None, [neighbour_point])]))
+    runner_kwargs = dict(model=model_path, dtype=dtype, num_kv_blocks=blocks, max_num_seqs=64, num_threads=num_threads)
+    with neighbour(neighbour_point, runner_kwargs):
+        return _calibrate(model_path, runner_kwargs, reps, points, neighbour_point)
+
+
+def _calibrate(model_path: str | None, runner_kwargs: dict, reps: int, points: list[tuple],
+               neighbour_point: tuple | None) -> dict:
+    import torch
 
     from iterserve.executor.model_runner import ModelRunner
     from iterserve.sim.model_spec import get_model_spec
@@ -252,11 +377,7 @@ def calibrate(model_path: str | None, quick: bool = False, dtype: str = "auto", 
     bw = measure_bandwidth()
     print(f"  matmul {flops['float32'] / 1e9:.1f} GFLOP/s fp32, {flops['bfloat16'] / 1e9:.1f} GFLOP/s bf16; "
           f"memory {bw / 1e9:.1f} GB/s", flush=True)
-    if points is None:
-        points = parse_points(QUICK_POINTS if quick else f"{QUICK_POINTS},{MORE_POINTS}")
-    blocks = max(1200, max(b * -(-(n + c) // 16) for _, b, n, c in points))  # one point's requests at a time
-    runner = ModelRunner(EngineConfig(model=model_path, dtype=dtype, num_kv_blocks=blocks, max_num_seqs=64,
-                                       num_threads=num_threads))
+    runner = ModelRunner(EngineConfig(**runner_kwargs))  # one point's requests at a time
     elem = torch.tensor([], dtype=runner.dtype).element_size()
     spec = get_model_spec(path, elem)
     rows = measure_steps(runner, points, reps)
@@ -276,7 +397,8 @@ def calibrate(model_path: str | None, quick: bool = False, dtype: str = "auto", 
             "model": {"path": path, "name": spec.name, "dtype_bytes": elem},
             "measured": {"matmul_flops": flops, "mem_bandwidth": bw, "threads": torch.get_num_threads(),
                          "host_step_s": host_fixed, "host_seq_s": host_seq, "steps": rows,
-                         "fit_rms_rel_error": float(np.sqrt(err / len(rows)))},
+                         "fit_rms_rel_error": float(np.sqrt(err / len(rows))),
+                         **({"neighbour": list(neighbour_point)} if neighbour_point else {})},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
@@ -365,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--points", default=None, metavar="SPEC",
                    help="step shapes to time instead of the default grid, e.g. "
                         "decode:16:1024,prefill:1:64@1024 (BATCH requests; LENGTH new tokens after CACHED)")
+    p.add_argument("--neighbor", default=None, metavar="POINT",
+                   help="measure while a second process runs this step (same threads) over and over, as the "
+                        "other engine of a P/D pair on this host does: a decode engine's profile beside "
+                        "prefill:1:512, a prefill engine's beside decode:16:100")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads for every measurement (1 is steadier when other work shares the cores)")
     p.add_argument("--validate", action="store_true",
@@ -389,9 +515,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         points = parse_points(args.points) if args.points else None
+        neighbour_points = parse_points(args.neighbor) if args.neighbor else [None]
     except ValueError as exc:
         fail(str(exc))
-    profile = calibrate(args.model, args.quick, args.dtype, args.reps, args.num_threads, points)
+    if len(neighbour_points) != 1:
+        fail(f"--neighbor takes one point, got {len(neighbour_points)}")
+    profile = calibrate(args.model, args.quick, args.dtype, args.reps, args.num_threads, points, neighbour_points[0])
     out = Path(args.output) if args.output else default_cpu_profile_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2))
@@ -414,6 +543,5 @@ def _print_fit(profile: dict) -> None:
           f"{profile['measured']['fit_rms_rel_error'] * 100:.1f}% rms")
     print(f"{'kind':<8}{'batch':>6}{'len':>10}{'measured ms':>13}{'model ms':>10}{'error':>8}")
     for r in profile["measured"]["steps"]:
-        length = f"{r['length']}@{r['cached']}" if r.get("cached") else str(r["length"])
-        print(f"{r['kind']:<8}{r['batch']:>6}{length:>10}{r['measured_s'] * 1e3:>13.1f}"
+        print(f"{r['kind']:<8}{r['batch']:>6}{_point_label(r):>10}{r['measured_s'] * 1e3:>13.1f}"
               f"{r['predicted_s'] * 1e3:>10.1f}{r['error'] * 100:>7.1f}%")

@@ -63,6 +63,7 @@ class CostModel:
         self.kv_bytes_per_token = model.kv_bytes_per_token / min(tp, model.num_kv_heads)
         self.attn_flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim / tp
         self.fixed_overhead = hw.step_overhead_s + model.num_layers * hw.layer_overhead_s
+        self.mixed = hw.mixed_step_overhead_s or hw.mixed_seq_overhead_s  # 0 on the GPU presets: skipped
         self.allreduce_bytes_per_token = (2 * (tp - 1) / tp) * model.hidden_size * b
         self.allreduce_count = 2 * model.num_layers if tp > 1 else 0
 
@@ -89,6 +90,8 @@ class CostModel:
             part[1] += ctx if q == 1 else q * (ctx - q + (q + 1) / 2)
         attention = self.attention_time(decode[0], decode[1], prompt[0], prompt[1])
         overhead = self.fixed_overhead + len(q_lens) * self.hw.seq_overhead_s
+        if self.mixed and decode[0] and prompt[0]:
+            overhead += self.mixed_overhead(sum(q == 1 for q in q_lens))
         allreduce = 0.0
         if self.allreduce_count:
             allreduce = self.allreduce_count * (self.hw.allreduce_latency_s + tokens
@@ -105,6 +108,10 @@ class CostModel:
             return max((decode_kv + prompt_kv) * self.kv_bytes_per_token / bw, (decode_pairs + prompt_pairs) * f / rate)
         return (max(decode_kv * self.kv_bytes_per_token / bw, decode_pairs * f / rate)
                 + max(prompt_kv * self.kv_bytes_per_token / bw, prompt_pairs * f / rate))
+
+    def mixed_overhead(self, decode_rows: int) -> float:
+        """What a step with both decode rows and prompt chunks costs beyond its parts (a profile field)."""
+        return self.hw.mixed_step_overhead_s + decode_rows * self.hw.mixed_seq_overhead_s
 
     def transfer_time(self, swap_blocks: int, block_size: int) -> float:
         """Swap moves blocks over the host link (each GPU its own shard, in parallel)."""
@@ -130,6 +137,8 @@ class CostModel:
                          (tokens * self.flops_per_token + n * self.flops_per_logit_row) / self.linear_flops_rate)
             attention = self.attention_time(decode_kv, decode_pairs, prompt_kv, prompt_pairs)
             t = linear + attention + self.fixed_overhead + n * self.hw.seq_overhead_s
+            if self.mixed and decode_kv and prompt_kv:
+                t += self.mixed_overhead(sum(len(s.token_ids) == 1 for s in plan.scheduled))
             if self.allreduce_count:
                 t += self.allreduce_count * (self.hw.allreduce_latency_s + tokens
                                              * self.allreduce_bytes_per_token / self.hw.interconnect_bandwidth)

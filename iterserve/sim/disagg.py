@@ -40,8 +40,9 @@ class _Link:
 
 
 def run_disagg(make_engine, num_prefill: int, num_decode: int, trace: Trace, link_bandwidth: float,
-               name: str = "disaggregated") -> TargetResult:
-    """Drive an open-loop trace through num_prefill + num_decode simulated engines (clocks at 0)."""
+               name: str = "disaggregated", make_decode_engine=None) -> TargetResult:
+    """Drive an open-loop trace through num_prefill + num_decode simulated engines (clocks at 0).
+    make_decode_engine: builds the decode engines where they are priced apart (default: make_engine)."""
     if trace.concurrency:
         raise ValueError("--pd runs open-loop traces (offline or --request-rate), not --concurrency")
     if any(r.prompt_token_ids is None for r in trace.requests):
@@ -49,7 +50,7 @@ def run_disagg(make_engine, num_prefill: int, num_decode: int, trace: Trace, lin
     link = _Link()
     prefill = [PrefillEngine(make_engine(), link) for _ in range(num_prefill)]
     inboxes = [_Link() for _ in range(num_decode)]
-    decode = [DecodeEngine(make_engine(), inbox) for inbox in inboxes]
+    decode = [DecodeEngine((make_decode_engine or make_engine)(), inbox) for inbox in inboxes]
     sides = prefill + decode
     pending = deque(sorted(trace.requests, key=lambda r: r.arrival_time))
     by_id = {r.request_id: r for r in trace.requests}

@@ -16,6 +16,9 @@ GB = 1e9
 GiB = 1 << 30
 
 
+LATER_FIELDS = ("mixed_step_overhead_s", "mixed_seq_overhead_s")
+
+
 @dataclass(slots=True, frozen=True)
 class HardwareSpec:
     name: str
@@ -30,6 +33,11 @@ class HardwareSpec:
     step_overhead_s: float = 0.0004  # per step: scheduling, input prep, sampling, launch
     layer_overhead_s: float = 0.00002  # per layer per step: kernel launches, norms, rope
     seq_overhead_s: float = 0.0  # per scheduled request per step: host-side bookkeeping
+    # A step with decode rows and prompt chunks costs more than its two parts priced alone (on the CPU the
+    # decode rows are split out of the batch and put back per layer, and the chunks run one by one):
+    # fitted by `calibrate` from mixed:B:C+L points, per such step and per decode row in it.
+    mixed_step_overhead_s: float = 0.0
+    mixed_seq_overhead_s: float = 0.0
     interconnect_bandwidth: float = 300 * GB  # bytes/s one way between GPUs (NVLink)
     allreduce_latency_s: float = 8e-6  # fixed cost of one all-reduce
     host_link_bandwidth: float = 25 * GB  # bytes/s device<->host for swap (PCIe)
@@ -41,7 +49,13 @@ class HardwareSpec:
         return self.mem_efficiency if self.attn_mem_efficiency is None else self.attn_mem_efficiency
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """Fields added after profiles were first written are left out at their defaults, so a spec
+        without them writes the same JSON as before."""
+        data = asdict(self)
+        for name in LATER_FIELDS:
+            if data[name] == 0.0:
+                del data[name]
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "HardwareSpec":

@@ -44,7 +44,56 @@ def test_simulate_loads_a_profile(tmp_path, capsys):
 
 def test_points_parse_and_bad_ones_are_named():
     assert parse_points("decode:16:1024, prefill:1:64@1024") == [("decode", 16, 1024, 0), ("prefill", 1, 64, 1024)]
+    assert parse_points("mixed:16:100+496@512") == [("mixed", 16, 100, 0, (1, 496, 512))]
     assert len(parse_points(f"{QUICK_POINTS},{MORE_POINTS}")) == 12
-    for bad in ("decode:16", "decode:0:128", "prefill:1:x", "decode:1:8@4", "encode:1:8", ","):
+    for bad in ("decode:16", "decode:0:128", "prefill:1:x", "decode:1:8@4", "encode:1:8", ",", "mixed:16:100",
+                "mixed:16:100+1", "mixed:4:100+x", "decode:1:8+64"):
         with pytest.raises(ValueError, match="point"):
             parse_points(bad)
+
+
+def test_mixed_points_fit_the_mixed_overheads_and_leave_the_rest_alone():
+    """A machine whose mixed steps cost 20 ms + 3 ms per decode row beyond their parts: the fit without the
+    mixed points is the same as before, and the mixed terms are recovered from them."""
+    from iterserve.sim.calibrate import _plan
+    spec = get_model_spec("smollm2-135m")
+    base = HardwareSpec("cpu", memory_bytes=16 << 30, mem_bandwidth=10e9, peak_flops=100e9, reserved_bytes=0,
+                        fused_attention=False)
+    truth = HardwareSpec(**{**base.to_json(), "mem_efficiency": 0.6, "flops_efficiency": 0.4, "attn_efficiency": 0.2,
+                            "step_overhead_s": 0.004, "seq_overhead_s": 0.0002, "mixed_step_overhead_s": 0.02,
+                            "mixed_seq_overhead_s": 0.003})
+    mixed = []
+    for point in parse_points("mixed:4:100+508@512,mixed:16:100+496@1024,mixed:24:100+488"):
+        plan = _plan(point, 16)
+        assert sum(len(s.token_ids) == 1 for s in plan.scheduled) == point[1]
+        blocks = [b for s in plan.scheduled for b in s.block_table]
+        assert len(blocks) == len(set(blocks))  # the decode rows and the chunk on disjoint blocks
+        mixed.append({"kind": "mixed", "q_lens": [len(s.token_ids) for s in plan.scheduled],
+                      "ctx_lens": [s.start_pos + len(s.token_ids) for s in plan.scheduled]})
+    rows = _rows() + mixed
+    for r, t in zip(rows, predict_rows(spec, truth, rows)):
+        r["measured_s"] = t
+    pure, _ = fit_profile(spec, base, rows[:-len(mixed)])
+    fitted, err = fit_profile(spec, base, rows)
+    assert (fitted.mem_efficiency, fitted.flops_efficiency, fitted.step_overhead_s) == \
+        (pure.mem_efficiency, pure.flops_efficiency, pure.step_overhead_s)
+    assert pure.mixed_step_overhead_s == 0.0 and pure.mixed_seq_overhead_s == 0.0
+    for r, p in zip(mixed, predict_rows(spec, fitted, mixed)):
+        assert p == pytest.approx(r["measured_s"], rel=0.03)
+    assert fitted.mixed_seq_overhead_s == pytest.approx(0.003, rel=0.3)
+
+
+def test_neighbour_flag_takes_one_point_and_a_dead_neighbour_is_named(tmp_path, capsys):
+    from iterserve.sim.calibrate import main as calibrate_main, neighbour
+    with pytest.raises(SystemExit):
+        calibrate_main(["--neighbor", "decode:1:8,prefill:1:8", "--output", str(tmp_path / "x.json")])
+    assert "--neighbor takes one point" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        calibrate_main(["--neighbor", "decode:1", "--output", str(tmp_path / "x.json")])
+    assert "bad point" in capsys.readouterr().err
+    with neighbour(None, {}):  # no point: nothing runs beside
+        pass
+    with pytest.raises(RuntimeError, match="neighbour process did not start"):
+        with neighbour(("decode", 1, 8, 0), {"model": str(tmp_path / "missing-model")}, start_timeout_s=120):
+            pass
+    assert not (tmp_path / "x.json").exists()

@@ -139,3 +139,29 @@ def test_separate_attention_kernels_cost_the_sum_of_their_rooflines():
     parts = split.breakdown(*decode_only).attention_s + split.breakdown(*prompt_only).attention_s
     assert split.breakdown(*mixed).attention_s == pytest.approx(parts)
     assert fused.breakdown(*mixed).attention_s < parts
+
+
+def test_mixed_step_overheads_price_only_steps_with_both_kinds():
+    from iterserve.sampling_params import SamplingParams
+    from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
+    model, hw = get_model_spec("smollm2-135m"), replace(get_hardware("a100-80gb"), fused_attention=False)
+    plain = CostModel(model, hw)
+    cm = CostModel(model, replace(hw, mixed_step_overhead_s=0.01, mixed_seq_overhead_s=0.002))
+    decode_only, prompt_only = ([1] * 8, [100] * 8), ([512], [1024])
+    mixed = ([1] * 8 + [512], [100] * 8 + [1024])
+    assert cm.step_time(*decode_only) == plain.step_time(*decode_only)
+    assert cm.step_time(*prompt_only) == plain.step_time(*prompt_only)
+    assert cm.step_time(*mixed) == pytest.approx(plain.step_time(*mixed) + 0.01 + 8 * 0.002)
+    p = SamplingParams()
+    plan = SchedulerOutput([ScheduledRequest(f"d{i}", [1], 99, [], True, p) for i in range(8)]
+                           + [ScheduledRequest("p", [1] * 512, 512, [], True, p)], 16)
+    assert cm.plan_time(plan) == pytest.approx(cm.step_time(*mixed))
+
+
+def test_specs_without_the_later_fields_write_the_json_they_always_did():
+    """A GPU preset or an old profile has the mixed-step overheads at 0: its JSON has no such keys."""
+    for hw in PRESETS.values():
+        assert not {"mixed_step_overhead_s", "mixed_seq_overhead_s"} & set(hw.to_json())
+        assert HardwareSpec.from_json(hw.to_json()) == hw
+    hw = replace(PRESETS["h200"], mixed_seq_overhead_s=0.001)
+    assert hw.to_json()["mixed_seq_overhead_s"] == 0.001 and HardwareSpec.from_json(hw.to_json()) == hw

@@ -82,3 +82,24 @@ def test_cli(capsys):
         simulate_main(["--pd", "3X", "--slo-ttft", "0.5", "--slo-tpot", "0.05"])
     with pytest.raises(SystemExit):
         simulate_main(["--pd", "1P1D"])  # no SLO: goodput is undefined
+
+
+def test_decode_engines_can_be_priced_by_their_own_profile():
+    """make_decode_engine builds the decode side only: a profile twice as slow per step there leaves the
+    prefill engines' steps (and the first tokens) as they were and lengthens every TPOT."""
+    from dataclasses import replace
+    slow = replace(HW, step_overhead_s=HW.step_overhead_s + 0.02)
+    built: list = []
+    base = run_disagg(factory(built), 1, 1, trace_at(20), HW.interconnect_bandwidth)
+    decoders: list = []
+
+    def make_slow():
+        engine = make_engine(EngineConfig(max_num_seqs=32), MODEL, slow)
+        decoders.append(engine)
+        return engine
+    split = run_disagg(factory([]), 1, 1, trace_at(20), HW.interconnect_bandwidth, make_decode_engine=make_slow)
+    assert len(decoders) == 1
+    by_id = {m.request_id: m for m in base.requests}
+    for m in split.requests:
+        assert m.ttft == pytest.approx(by_id[m.request_id].ttft)
+        assert m.tpot > by_id[m.request_id].tpot + 0.015
