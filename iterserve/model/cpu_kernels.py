@@ -1,5 +1,6 @@
-"""The CPU kernels: attention (cpu_attention.cpp: decode over the paged cache, causal prompts) and
-the fused elementwise ops (cpu_ops.cpp), built on first use and loaded with ctypes.
+"""The CPU kernels: attention (cpu_attention.cpp: decode over the paged cache, causal prompts), the
+fused elementwise ops (cpu_ops.cpp) and the linear layer over panel-packed weights (cpu_linear.cpp),
+built on first use and loaded with ctypes.
 
 It is plain C++ with no torch headers, so the system compiler builds it in about a second; the
 library is cached under ~/.cache/iterserve keyed by the source, the flags and this CPU's feature
@@ -27,11 +28,15 @@ logger = logging.getLogger("iterserve.model")
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+LINEAR_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+PANEL = 32  # outputs per weight panel: cpu_linear.cpp's kPanel
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _cpu_flags() -> bytes:
+@functools.cache
+def cpu_flags() -> bytes:
+    """/proc/cpuinfo's flags line (b"" where unreadable)."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
             return next((line for line in f if line.startswith(b"flags")), b"")
@@ -59,7 +64,7 @@ def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
         logger.warning("no C++ compiler: the CPU path falls back to plain torch ops (slower)")
         return None
     code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # + includes
-    key = hashlib.sha256(code + " ".join([cxx, *flags]).encode() + _cpu_flags()).hexdigest()[:16]
+    key = hashlib.sha256(code + " ".join([cxx, *flags]).encode() + cpu_flags()).hexdigest()[:16]
     lib_path = cache_dir() / f"{source.stem}-{key}.so"
     if not lib_path.exists():
         tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
@@ -253,3 +258,35 @@ def write_kv_int8(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
     assert all(x.stride(1) == d and x.stride(2) == 1 for x in (k, v)) and slot_mapping.is_contiguous()
     elementwise_ops().write_kv_int8(DTYPES[k.dtype], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                                     k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv, d)
+
+
+@functools.cache
+def linear_kernel(extra_flags: tuple[str, ...] = ()):
+    """cpu_linear.cpp's function, or None where it cannot be built or this build lacks AVX-512."""
+    lib = _build(LINEAR_SOURCE, [*FLAGS, *extra_flags])
+    fn = _bind(lib, "iterserve_linear", [_i32, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i32], _i32)
+    supported = _bind(lib, "iterserve_linear_supported", [], _i32)
+    return fn if fn is not None and supported is not None and supported() else None
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> panels [ceil(N / PANEL), K, PANEL]: panels[p, k, j] = W[p * PANEL + j, k], zero rows past N."""
+    n, k = w.shape
+    padded = -(-n // PANEL) * PANEL
+    if padded != n:
+        w = torch.cat([w, w.new_zeros(padded - n, k)])
+    return w.view(padded // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None, kernel=None) -> torch.Tensor:
+    """x [M, K] (rows any stride) @ W^T (+ bias) -> [M, n] contiguous, W as pack_panels packed it; one dtype
+    throughout, float32 or bfloat16."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert panels.shape[1] == k and panels.is_contiguous() and x.dtype == panels.dtype
+    assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
+    y = x.new_empty(m, n)
+    (kernel or linear_kernel())(DTYPES[x.dtype], x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(bias), y.data_ptr(),
+                                m, n, k, torch.get_num_threads())
+    return y

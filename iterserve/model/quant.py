@@ -21,9 +21,12 @@ an int4 head failed the top-5 closeness check against float32 on 9 of 10 prompts
 int4 layers + int8 head gave float32's 16 greedy tokens exactly on 8 of 10 (int8 layers: 4 of 10,
 all within the check: per-row int8 re-rounds the Q4_1 grid, int4 group-32 reproduces it).
 
-Float weights on CPU are packed too, without quantizing: F.linear hands oneDNN a plain [N, K]
-weight and pays its re-layout into oneDNN's blocked format on every call (~70 us per linear at
-B=1, measured: 120 linears a step). `pack_float` does that re-layout once at load;
+Float weights on CPU are packed too, without quantizing: one copy, in one layout. Where the C++
+linear kernel builds (cpu_linear.cpp, AVX-512), float32 weights go into its panels: at a small
+batch it streams them at memory speed, where oneDNN's GEMV reaches only part of that, and the same
+layout serves large batches. Otherwise (bfloat16, float16, no kernel, ITERSERVE_CPU_KERNELS=0) they
+go into oneDNN's blocked layout: F.linear would hand oneDNN a plain [N, K] weight and pay that
+re-layout on every call (~70 us per linear at B=1, measured: 120 linears a step);
 `_linear_pointwise` on the packed weight gives bf16 results bit-identical to F.linear's.
 """
 from __future__ import annotations
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from iterserve.model import cpu_kernels
 
 INT4_GROUP = 32  # the GGUF block size, so a Q4_0/Q4_1 tensor maps group for group
 
@@ -80,14 +85,27 @@ class PackedFloatWeight:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-Weight = torch.Tensor | Int8Weight | Int4Weight | PackedFloatWeight
+@dataclass(slots=True)
+class PanelWeight:
+    panels: torch.Tensor  # cpu_kernels.pack_panels' layout, [ceil(N / PANEL), K, PANEL]
+    shape: torch.Size
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return cpu_kernels.linear(x, self.panels, self.shape[0], bias)
+
+
+Weight = torch.Tensor | Int8Weight | Int4Weight | PackedFloatWeight | PanelWeight
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a float or a packed weight; x [..., K] -> [..., N]."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
-    if isinstance(w, PackedFloatWeight):
+    if isinstance(w, (PackedFloatWeight, PanelWeight)):
         return w(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], w.shape[0])
     y = w(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], w.shape[0])
     return y + bias if bias is not None else y
@@ -116,8 +134,13 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
 
 
 def pack_float(w: torch.Tensor) -> Weight:
-    """oneDNN's layout for a float CPU weight, or the weight itself where oneDNN cannot take it."""
-    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    """The C++ kernel's panels or oneDNN's layout for a float CPU weight (see the top), or the weight
+    itself where neither can take it."""
+    if w.device.type != "cpu":
+        return w
+    if w.dtype == torch.float32 and cpu_kernels.linear_kernel() is not None:
+        return PanelWeight(cpu_kernels.pack_panels(w), w.shape)
+    if not torch.backends.mkldnn.is_available():
         return w
     try:  # float16 needs AVX-512 fp16 or AVX-NE-CONVERT; bfloat16 without AVX-512 bf16 is emulated
         packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 64)  # the batch hint: no effect measured

@@ -8,7 +8,7 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model.quant import INT4_GROUP, PackedFloatWeight, linear, pack_float, quantize, quantize_int4
+from iterserve.model.quant import INT4_GROUP, PackedFloatWeight, PanelWeight, linear, pack_float, quantize, quantize_int4
 from iterserve.sampling_params import SamplingParams
 
 
@@ -42,7 +42,7 @@ def test_packed_float_linear_matches_f_linear(dtype, rows):
     w = torch.randn(200, 96, dtype=dtype)
     bias = torch.randn(200, dtype=dtype)
     packed = pack_float(w)
-    assert isinstance(packed, PackedFloatWeight) and packed.shape == w.shape
+    assert isinstance(packed, PackedFloatWeight | PanelWeight) and packed.shape == w.shape  # float32: test_cpu_linear
     x = torch.randn(rows, 3, 96, dtype=dtype)[:, 1]  # a strided view, as a slice of a larger activation
     for b in (None, bias):
         ours, ref = linear(x, packed, b), torch.nn.functional.linear(x, w, b)

@@ -1,0 +1,122 @@
+"""The C++ linear kernel over panel-packed weights (cpu_linear.cpp) against F.linear, and the engine
+with it against the engine on oneDNN's packed weights."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from iterserve.config import EngineConfig
+from iterserve.engine import Engine
+from iterserve.executor.model_runner import ModelRunner
+from iterserve.model import cpu_kernels
+from iterserve.model.loader import load_model_arch, load_weights
+from iterserve.model.quant import PanelWeight, linear, pack_float
+from iterserve.sampling_params import SamplingParams
+from tests.model.test_llama import tiny_checkpoint
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.linear_kernel() is None, reason="cpu_linear.cpp not built here (no "
+                                  "compiler or no AVX-512)")
+
+# (rows, outputs, inputs): one row (decode), a tile's worth, several tiles of unequal height (13 = 6 + 7),
+# outputs short of a panel and not a multiple of 16, odd inputs, a single output, no rows at all
+SHAPES = [(1, 64, 64), (1, 33, 17), (5, 200, 96), (12, 1, 1), (13, 100, 301), (40, 47, 513), (64, 96, 128), (0, 70, 20)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_float32_matches_f_linear(m, n, k):
+    torch.manual_seed(m * 1000 + n + k)
+    w, bias = torch.randn(n, k), torch.randn(n)
+    x = torch.randn(m, 3, k)[:, 1]  # rows strided, as a slice of a wider activation
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.shape == (-(-n // cpu_kernels.PANEL), k, cpu_kernels.PANEL)
+    for b in (None, bias):
+        got = cpu_kernels.linear(x, panels, n, b)
+        assert got.shape == (m, n) and got.is_contiguous()
+        torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5 * k ** 0.5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_bfloat16_is_summed_in_float32_and_rounded_once(m, n, k):
+    """bf16 in and out: the float32 product of the bf16 values, plus bias, rounded to bf16 once."""
+    torch.manual_seed(m + n + k)
+    w, x, bias = (torch.randn(*s).bfloat16() for s in ((n, k), (m, k), (n,)))
+    got = cpu_kernels.linear(x, cpu_kernels.pack_panels(w), n, bias)
+    want = F.linear(x.float(), w.float(), bias.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=2 ** -7)  # a last-bit flip at most
+    assert (got != want).float().mean().nan_to_num() < 0.02  # from float32 sums taken in another order
+
+
+@needs_kernel
+def test_pack_float_takes_panels_for_float32_and_the_model_uses_them():
+    w = torch.randn(96, 64)
+    packed = pack_float(w)
+    assert isinstance(packed, PanelWeight) and packed.shape == w.shape and packed.nbytes == w.nbytes
+    x = torch.randn(2, 5, 64)
+    torch.testing.assert_close(linear(x, packed), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+def greedy_tokens(path: str, prompts: list[list[int]]) -> tuple[list[list[int]], set[str]]:
+    """Each prompt's 12 greedy tokens on a float32 engine, and the kinds of weight its linears run on."""
+    config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=64)
+    arch = load_model_arch(path)
+    runner = ModelRunner(config, arch, load_weights(path, arch, torch.float32, torch.device("cpu")))
+    engine = Engine(config, runner)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    kinds = {type(runner.model.layers[0].qkv).__name__, type(runner.model.lm_head).__name__}
+    return [done[i] for i in ids], kinds
+
+
+PROMPTS = [[5, 17, 99, 3, 42], [7] * 20, list(range(30, 70)), [1]]  # a batch of 4, then fewer as they finish
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-linear")
+    tiny_checkpoint(path, "qwen2")  # q/k/v biases: the kernel's bias path
+    return str(path)
+
+
+@needs_kernel
+def test_engine_greedy_tokens_equal_with_the_kernel_and_with_onednn(tiny, monkeypatch):
+    on, kinds_on = greedy_tokens(tiny, PROMPTS)
+    assert kinds_on == {"PanelWeight"}
+    monkeypatch.setattr(cpu_kernels, "linear_kernel", lambda: None)  # what a build without it does
+    off, kinds_off = greedy_tokens(tiny, PROMPTS)
+    assert kinds_off <= {"PackedFloatWeight", "Tensor"} and len(on[0]) == 12
+    assert on == off
+
+
+def test_without_cpu_kernels_the_engine_runs_on_onednn_weights(tiny):
+    """ITERSERVE_CPU_KERNELS=0 (read once per process): a fresh interpreter, the same greedy tokens."""
+    code = ("import json, sys; from tests.model.test_cpu_linear import greedy_tokens, PROMPTS; "
+            "tokens, kinds = greedy_tokens(sys.argv[1], PROMPTS); print(json.dumps([tokens, sorted(kinds)]))")
+    env = {**os.environ, "ITERSERVE_CPU_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", code, tiny], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    tokens, kinds = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not {"PanelWeight"} & set(kinds)
+    here, _ = greedy_tokens(tiny, PROMPTS)
+    assert tokens == here
+
+
+@pytest.mark.skipif(cpu_kernels.elementwise_ops() is None, reason="no C++ compiler here")
+def test_a_build_without_avx512_declines_and_the_weights_stay_onednns(monkeypatch):
+    assert cpu_kernels.linear_kernel(("-mno-avx512f",)) is None
+    monkeypatch.setattr(cpu_kernels, "linear_kernel", lambda: None)
+    assert not isinstance(pack_float(torch.randn(64, 32)), PanelWeight)
