@@ -167,7 +167,7 @@ def simulated(args, trace, sim_steps: dict | None = None, host: dict[str, float]
     sim_config = EngineConfig(**config(args), model=None)
     model, hw = spec(args.sim_profile, "colocated")
     colocated = simulate_trace(requests(), sim_config, model, hw)
-    rows = sim_table(f"sim colocated{suffix}", trace, colocated)
+    rows = sim_table(f"sim colocated ({args.cores} cores){suffix}", trace, colocated)
     pd_profile = args.sim_pd_profile or args.sim_profile
     model, hw = spec(pd_profile, "prefill")
     d_model, d_hw = spec(args.sim_decode_profile or pd_profile, "decode")
@@ -230,7 +230,7 @@ def sim_table(name: str, trace, result) -> list[dict]:
     return table(name, trace, done)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     p.add_argument("--chat-rate", type=float, default=2.0, help="short chats per second (Poisson)")
@@ -258,6 +258,11 @@ def main(argv: list[str] | None = None) -> int:
                    "print, per engine and step kind, real vs priced time and the time between steps, beside the "
                    "simulator's steps and each process's CPU use, then simulate again with the time between "
                    "steps and the P/D front's CPU added to each engine's steps ('+ host' rows; needs --sim-profile)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.check_steps and not args.sim_profile:
         p.error("--check-steps prices the real steps with --sim-profile: give it")
