@@ -25,7 +25,8 @@ _CACHE_SIZE = 256  # compiled grammars kept per tokenizer
 
 class GrammarCache:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+        hf = tokenizer.as_transformers() if hasattr(tokenizer, "as_transformers") else tokenizer  # xgrammar reads HF's
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(eos_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
         self.vocab_size = vocab_size

@@ -8,7 +8,8 @@ pure functions of the file, so their results are kept beside the kernels' build 
     <XDG_CACHE_HOME or ~/.cache>/iterserve/weights/<file stem>-<path hash>-<key>/
         model.safetensors   the dequantized float32 weights (HF names; q/k/v and gate/up fused as the
                             model runs them), the ModelArch in its header
-        tokenizer/          the tokenizer as transformers' save_pretrained writes it
+        tokenizer/          the tokenizer as transformers' save_pretrained writes it, and beside it what
+                            the serving tokenizer reads (model/tokenizer.py: no transformers import)
 
 and read back tensor by tensor as the model packs them (pread, not mmap: a mapping would keep every
 page the packing read resident beside the packed copies until the last layer was packed).
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from iterserve.model import loader
+from iterserve.model import loader, tokenizer
 from iterserve.model.cpu_kernels import cache_dir
 from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
 from iterserve.model.loader import ModelArch
@@ -253,20 +254,59 @@ def _prune_siblings(entry: Path) -> None:
 # ---------------------------------------------------------------- tokenizer
 
 def load_tokenizer(path: str):
-    """loader.load_tokenizer through the cache: transformers' GGUF vocabulary conversion runs once per file."""
+    """loader.load_tokenizer through the cache: transformers' GGUF vocabulary conversion runs once per
+    file, and a warm start reads the entry without importing transformers (model/tokenizer.py)."""
     entry = entry_dir(path)
     if entry is None:
         return loader.load_tokenizer(path)
     saved = entry / _TOKENIZER
+    if (saved / tokenizer.META).is_file():
+        light = _read_serving_tokenizer(saved)
+        if light is not None:
+            return light
     if saved.is_dir():
         tok = _read_tokenizer(saved)
         if tok is not None:
+            _describe(tok, saved)  # an entry from before the serving tokenizer: serve it lightly next time
             return tok
     tok = loader.load_tokenizer(path)
     if not _write_tokenizer(tok, saved):
         return tok
     reread = _read_tokenizer(saved)
-    return reread if reread is not None else tok
+    if reread is None:
+        return tok
+    _describe(reread, saved)
+    return _read_serving_tokenizer(saved) or reread
+
+
+def _read_serving_tokenizer(saved: Path):
+    try:
+        return tokenizer.ServingTokenizer.from_dir(saved)
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception; a broken entry is rebuilt
+        logger.warning("weight cache: the tokenizer in %s is unreadable (%s); rebuilding it", saved, exc)
+        shutil.rmtree(saved, ignore_errors=True)
+        return None
+
+
+def _describe(tok, saved: Path) -> None:
+    """Write what the serving tokenizer needs beside transformers' files, only if it then answers as
+    transformers does (tokenizer.same_as); otherwise this entry keeps loading through transformers."""
+    meta = tokenizer.describe(tok)
+    light = tokenizer.ServingTokenizer(tokenizer.Backend.from_str(tok.backend_tokenizer.to_str()), meta)
+    differs = tokenizer.same_as(light, tok)
+    if differs is not None:
+        logger.warning("weight cache: %s loads through transformers (the light tokenizer differs in %s)",
+                       saved, differs)
+        return
+    tmp = saved / f"{os.getpid()}.tmp"
+    try:  # the backend as transformers holds it after loading, then the facts: their presence marks the entry done
+        tok.backend_tokenizer.save(str(tmp))
+        os.rename(tmp, saved / tokenizer.BACKEND)
+        tmp.write_text(json.dumps(meta))
+        os.rename(tmp, saved / tokenizer.META)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        logger.warning("weight cache: cannot write %s (%s)", saved / tokenizer.META, exc)
 
 
 def _read_tokenizer(saved: Path):

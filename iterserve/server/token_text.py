@@ -8,11 +8,25 @@ shows it: "bytes:\\xf0\\x9f".
 """
 from __future__ import annotations
 
+import functools
 import re
 
-from transformers.convert_slow_tokenizer import bytes_to_unicode
-
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (as transformers' convert_slow_tokenizer
+    has it; written out here so that serving does not import transformers)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
 
 
 class TokenText:
