@@ -67,6 +67,7 @@ def run_colocated(args, trace, probe: dict | None = None) -> dict[str, object]:
         probe["records"] = {"engine": [r for r in engine.step_records if r.start >= start]}
         probe["cpu_s"] = {"engine (this process)": time.process_time() - cpu}
         probe["wall_s"] = time.monotonic() - start
+        probe["load"] = _load_average()
     return done
 
 
@@ -109,9 +110,19 @@ def run_pd(args, trace, probe: dict | None = None) -> dict[str, object]:
             probe["cpu_s"] = {"front (this process)": time.process_time() - front,
                               **{name: _proc_cpu_s(p.pid) - cpu[name] for name, p in pd.procs.items()}}
             probe["wall_s"] = time.monotonic() - start
+            probe["load"] = _load_average()
         return done
     finally:
         pd.close()
+
+
+def _load_average() -> float | None:
+    """The host's 1-minute load average: above the cores, other work shared them and the run is noisy."""
+    import os
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -213,7 +224,8 @@ def print_checks(args, trace, probes: dict, sim_steps: dict) -> None:
     pd_profile = args.sim_pd_profile or args.sim_profile
     profiles = {"colocated": args.sim_profile, "prefill": pd_profile, "decode": args.sim_decode_profile or pd_profile}
     for target, probe in probes.items():
-        print(f"\n== {target}: {probe['wall_s']:.1f} s of wall time; CPU seconds per wall second: "
+        load = "" if probe.get("load") is None else f"; load average {probe['load']:.1f} at its end"
+        print(f"\n== {target}: {probe['wall_s']:.1f} s of wall time{load}; CPU seconds per wall second: "
               + ", ".join(f"{name} {cpu / probe['wall_s']:.2f}" for name, cpu in probe["cpu_s"].items()))
         for name, records in probe["records"].items():
             cost = CostModel(*sim_spec(profiles["colocated" if target == "colocated" else name.split("-")[0]]))

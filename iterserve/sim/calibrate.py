@@ -157,7 +157,7 @@ def measure_steps(runner, points: list[tuple], reps: int) -> list[dict]:
         if kind == "mixed":
             rows[-1]["chunk"], rows[-1]["chunk_cached"] = point[4][1], point[4][2]
         ms = rows[-1]["measured_s"] * 1e3
-        print(f"  {kind:<7} batch {batch:>3} len {_point_label(rows[-1]):>9}: {ms:8.1f} ms", flush=True)
+        print(f"  {kind:<7} batch {batch:>3} len {_point_label(rows[-1]):>14}: {ms:8.1f} ms", flush=True)
     return rows
 
 
@@ -541,7 +541,7 @@ def _print_fit(profile: dict) -> None:
           f"attention eff {hw['attn_efficiency']:.2f}, overhead {hw['step_overhead_s'] * 1e3:.2f} ms/step "
           f"+ {hw['seq_overhead_s'] * 1e6:.0f} us/request; step-time fit error "
           f"{profile['measured']['fit_rms_rel_error'] * 100:.1f}% rms")
-    print(f"{'kind':<8}{'batch':>6}{'len':>10}{'measured ms':>13}{'model ms':>10}{'error':>8}")
+    print(f"{'kind':<8}{'batch':>6}{'len':>15}{'measured ms':>13}{'model ms':>10}{'error':>8}")
     for r in profile["measured"]["steps"]:
-        print(f"{r['kind']:<8}{r['batch']:>6}{_point_label(r):>10}{r['measured_s'] * 1e3:>13.1f}"
+        print(f"{r['kind']:<8}{r['batch']:>6}{_point_label(r):>15}{r['measured_s'] * 1e3:>13.1f}"
               f"{r['predicted_s'] * 1e3:>10.1f}{r['error'] * 100:>7.1f}%")
