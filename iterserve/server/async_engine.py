@@ -125,10 +125,13 @@ def _merge(outputs: list[RequestOutput]) -> list[RequestOutput]:
 class AsyncEngine:
     def __init__(self, engine: Engine | Callable[[], Engine], *, max_waiting_requests: int | None = None,
                  request_timeout: float | None = None, log_interval: float = 10.0,
-                 on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None) -> None:
+                 on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
+                 wait: bool = True) -> None:
         """`engine` is an Engine, or a function that builds one; the server passes the function, so the
         model loads on the engine thread and it is the only thread that ever runs torch ops. (A second
-        thread running ops gets a second OpenMP pool; on 2 cores its steps measured ~25% slower.)"""
+        thread running ops gets a second OpenMP pool; on 2 cores its steps measured ~25% slower.)
+        wait=False returns while it builds (the server imports its HTTP stack meanwhile): call
+        wait_built() before anything else."""
         self.request_timeout = request_timeout  # seconds from arrival; None: no limit
         self.log_interval = log_interval
         self.on_step = on_step  # called on the engine thread after every step (metrics)
@@ -143,16 +146,27 @@ class AsyncEngine:
         self._deadlines: deque[RequestStream] = deque()  # engine thread only; arrival order = deadline order
         self._thread: threading.Thread | None = None
         self._status = _StatusLine(log_interval)
+        self._max_waiting = max_waiting_requests
+        self._built = threading.Event()
+        self._build_failed: list[BaseException] = []
         if isinstance(engine, Engine):
             self.engine = engine
+            self._built.set()
         else:
             self._build_on_engine_thread(engine)
+        if wait:
+            self.wait_built()
+
+    def wait_built(self) -> None:
+        """Until the engine is built; its exception if building failed."""
+        self._built.wait()
+        if self._build_failed:
+            raise self._build_failed[0]
         # A flood gets 503s, not unbounded memory: the queue is always bounded.
-        self.max_waiting_requests = max_waiting_requests or self.engine.config.scheduler_config.max_waiting_requests
+        self.max_waiting_requests = self._max_waiting or self.engine.config.scheduler_config.max_waiting_requests
 
     def _build_on_engine_thread(self, build: Callable[[], Engine]) -> None:
-        failed: list[BaseException] = []
-        ready = threading.Event()
+        failed, ready = self._build_failed, self._built
 
         def run() -> None:
             try:
@@ -166,9 +180,6 @@ class AsyncEngine:
 
         self._thread = threading.Thread(target=run, name="iterserve-engine", daemon=True)
         self._thread.start()
-        ready.wait()
-        if failed:
-            raise failed[0]
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:

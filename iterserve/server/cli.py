@@ -58,13 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if server.ray_address is not None:
         fail("--ray-address places replicas on a Ray cluster: it needs --data-parallel-size > 1")
     sock = bind(server.host, server.port)
-    import uvicorn
-
     from iterserve.engine import Engine
-    from iterserve.server.app import build_app
     from iterserve.server.async_engine import AsyncEngine
-    from iterserve.server.dashboard import make_diagnostics
-    from iterserve.server.shutdown import GracefulServer
 
     start = time.monotonic()
     logger.info("loading %s ...", config.model_config.model or "the default model (SmolLM2-135M-Instruct)")
@@ -80,7 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             fail(str(exc))
         build = lambda: serving_engines(config, args.kv_transport, x, y)  # noqa: E731
-    async_engine = AsyncEngine(build, request_timeout=server.request_timeout, log_interval=server.log_interval)
+    async_engine = AsyncEngine(build, request_timeout=server.request_timeout, log_interval=server.log_interval,
+                               wait=False)
+    # the HTTP stack imports while the engine thread loads: it fits in the load's GIL-free stretches
+    # (weight reads, packing, the tokenizer's Rust side)
+    import uvicorn
+
+    from iterserve.server.app import build_app
+    from iterserve.server.dashboard import make_diagnostics
+    from iterserve.server.shutdown import GracefulServer
+    async_engine.wait_built()
     engine = async_engine.engine
     logger.info("loaded in %.1f s: %d KV blocks of %d tokens", time.monotonic() - start,
                 engine.stats.num_kv_blocks, config.cache_config.block_size)

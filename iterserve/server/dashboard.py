@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -94,13 +95,39 @@ def fan_out(first: Callable | None, *observers: Callable | None) -> Callable:
 def make_diagnostics(engine, slo_ttft: float | None = None, slo_tpot: float | None = None) -> Diagnostics:
     """The server's diagnostics over this engine; SLO misses are replayed on the simulator where it can
     model what is served (a simulated engine, or this CPU's calibrated profile)."""
-    whatif = None
-    system = simulated_system(engine)
-    if system is not None:
-        from iterserve.sim.whatif import SimulatorWhatIf
-        base = {k: v for k, v in engine.config.flat().items() if k not in ("max_num_seqs", "max_num_batched_tokens")}
-        whatif = SimulatorWhatIf(*system, {**base, "model": system[0].name})
+    whatif = _LazyWhatIf(engine) if _may_simulate(engine) else None
     return Diagnostics(Capacity.of_engine(engine), Slo(slo_ttft, slo_tpot), whatif=whatif)
+
+
+class _LazyWhatIf:
+    """The simulator's what-if, built at the first SLO miss: importing the simulator and resolving this
+    CPU's profile would otherwise sit between a loaded model and a ready server."""
+
+    def __init__(self, engine) -> None:
+        self._engine, self._whatif, self._built = engine, None, False
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        with self._lock:
+            if not self._built:
+                self._built = True
+                system = simulated_system(self._engine)
+                if system is not None:
+                    from iterserve.sim.whatif import SimulatorWhatIf
+                    base = {k: v for k, v in self._engine.config.flat().items()
+                            if k not in ("max_num_seqs", "max_num_batched_tokens")}
+                    self._whatif = SimulatorWhatIf(*system, {**base, "model": system[0].name})
+        return self._whatif(*args) if self._whatif is not None else None
+
+
+def _may_simulate(engine) -> bool:
+    """simulated_system's cheap checks, without importing the simulator (a SimulatedExecutor's engine has)."""
+    sim = sys.modules.get("iterserve.sim.executor")
+    if sim is not None and isinstance(engine.executor, sim.SimulatedExecutor):
+        return True
+    from iterserve.executor.model_runner import ModelRunner
+    return (isinstance(engine.executor, ModelRunner) and engine.executor.device.type == "cpu"
+            and engine.config.speculative_config.speculative_method is None)
 
 
 def simulated_system(engine):
