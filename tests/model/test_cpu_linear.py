@@ -2,10 +2,12 @@
 with it against the engine on oneDNN's packed weights."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -120,3 +122,23 @@ def test_a_build_without_avx512_declines_and_the_weights_stay_onednns(monkeypatc
     assert cpu_kernels.linear_kernel(("-mno-avx512f",)) is None
     monkeypatch.setattr(cpu_kernels, "linear_kernel", lambda: None)
     assert not isinstance(pack_float(torch.randn(64, 32)), PanelWeight)
+
+
+def test_panels_are_carved_from_shared_huge_page_mappings_and_freed_with_their_weights():
+    if cpu_kernels._arena is None:
+        pytest.skip("no MADV_HUGEPAGE on this OS")
+    ws = [torch.randn(n, 40) for n in (64, 33, 200)]
+    for w in ws:  # the layout, read back through the kernel
+        torch.testing.assert_close(cpu_kernels.linear(torch.eye(40), cpu_kernels.pack_panels(w), w.shape[0]), w.t())
+    arena = cpu_kernels._HugePageArena()  # its own, so no other test's weights share the mapping
+    tensors = [arena.empty(shape, dtype) for shape, dtype in [((3, 5), torch.float32), ((7,), torch.bfloat16),
+                                                               ((2, 40, 32), torch.float32)]]
+    assert all(t.data_ptr() % 64 == 0 and t.is_contiguous() for t in tensors)
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # one mapping, no two overlapping
+    mapping = weakref.ref(arena.mapping())
+    assert ends[-1][1] - ends[0][0] < 2 ** 20
+    del tensors
+    gc.collect()
+    assert mapping() is None  # the arena kept no strong reference: the mapping went with its tensors
+    assert arena.empty((4,), torch.float32).shape == (4,)  # and it maps a new one when asked again
