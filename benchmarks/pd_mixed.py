@@ -68,6 +68,7 @@ def run_colocated(args, trace, probe: dict | None = None) -> dict[str, object]:
         probe["cpu_s"] = {"engine (this process)": time.process_time() - cpu}
         probe["wall_s"] = time.monotonic() - start
         probe["load"] = _load_average()
+        probe["preemptions"] = engine.stats.num_preemptions
     return done
 
 
@@ -78,11 +79,12 @@ def run_pd(args, trace, probe: dict | None = None) -> dict[str, object]:
     x, y = parse_pd(args.pd)
     pd = PDEngines({**config(args), "num_threads": pd_threads(args)}, args.transport, x, y)
     records: dict[str, list] = {name: [] for name in pd.procs}
-    steps_seen = dict.fromkeys(pd.procs, 0)
+    steps_seen, preemptions = dict.fromkeys(pd.procs, 0), dict.fromkeys(pd.procs, 0)
     if probe is not None:
         report = pd._report
 
         def recording(name, stats):  # an engine reports after every step it runs, with that step's record
+            preemptions[name] = stats.num_preemptions
             if stats.last_step is not None and stats.num_steps > steps_seen[name]:
                 steps_seen[name] = stats.num_steps
                 records[name].append(stats.last_step)
@@ -111,6 +113,7 @@ def run_pd(args, trace, probe: dict | None = None) -> dict[str, object]:
                               **{name: _proc_cpu_s(p.pid) - cpu[name] for name, p in pd.procs.items()}}
             probe["wall_s"] = time.monotonic() - start
             probe["load"] = _load_average()
+            probe["preemptions"] = sum(preemptions.values())
         return done
     finally:
         pd.close()
@@ -225,6 +228,8 @@ def print_checks(args, trace, probes: dict, sim_steps: dict) -> None:
     profiles = {"colocated": args.sim_profile, "prefill": pd_profile, "decode": args.sim_decode_profile or pd_profile}
     for target, probe in probes.items():
         load = "" if probe.get("load") is None else f"; load average {probe['load']:.1f} at its end"
+        load += f"; {probe['preemptions']} preemptions (the rows misprice their recomputation)" \
+            if probe.get("preemptions") else ""
         print(f"\n== {target}: {probe['wall_s']:.1f} s of wall time{load}; CPU seconds per wall second: "
               + ", ".join(f"{name} {cpu / probe['wall_s']:.2f}" for name, cpu in probe["cpu_s"].items()))
         for name, records in probe["records"].items():

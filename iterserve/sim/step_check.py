@@ -42,7 +42,9 @@ def shapes_from_records(records: list[StepRecord], prompt_lens: dict[str, int]) 
     """Each step's (new tokens, context after the step) per request, replayed from the records in order.
     A record names its prompt requests and their total tokens; they are split in the scheduler's order
     (each takes what is left of its prompt, up to what is left of the total). A request first seen
-    decoding (a P/D decode engine's hand-off) starts with its whole prompt computed."""
+    decoding (a P/D decode engine's hand-off) starts with its whole prompt computed. A preempted request's
+    recomputation is not replayed (its chunks are priced as prompt tokens it had already computed): check
+    that the run preempted nothing (EngineStats.num_preemptions) before trusting its rows."""
     computed: dict[str, int] = {}
     shapes = []
     for r in records:
