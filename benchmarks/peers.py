@@ -57,8 +57,11 @@ from pathlib import Path
 
 MiB = 1 << 20
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-OV_PACKAGES = ["openvino-genai==2026.4.1.0", "openvino-tokenizers", "optimum-intel", "nncf", "gguf"]
+OV_PACKAGES = ["openvino-genai==2026.4.1.0", "openvino-tokenizers", "optimum-intel", "nncf", "gguf", "accelerate"]
 OV_WEIGHTS = ("fp16", "int8", "int4")
+TARGETS = ("iterserve-http", "llama-q4_1", "llama-bf16", "iterserve-offline", "openvino")
+BLOCK_SIZE = 16  # iterserve's default --block-size
+OV_CPU_BLOCK_SIZE = 32  # OpenVINO GenAI's DeviceConfig: 32 positions a KV block on CPU (16 on GPU), not settable
 NICE = ["nice", "-n", "19"]
 
 
@@ -88,8 +91,8 @@ class KVBudget:
                 f"(block {ov_block_size})")
 
 
-def kv_budget(slots: int, tokens_per_request: int, block_size: int = 16, kv_cache_memory: int | None = None,
-              kv_bytes_per_token: int | None = None, ov_block_size: int = 32) -> KVBudget:
+def kv_budget(slots: int, tokens_per_request: int, block_size: int = BLOCK_SIZE, kv_cache_memory: int | None = None,
+              kv_bytes_per_token: int | None = None, ov_block_size: int = OV_CPU_BLOCK_SIZE) -> KVBudget:
     """The budget from iterserve's --kv-cache-memory (whole blocks, as iterserve sizes its pool) or,
     without it, just enough for every slot to hold a whole request. Positions are rounded down to whole
     blocks of every engine and a multiple of the slots, so each engine gets exactly the same pool and
@@ -244,7 +247,7 @@ def openvino_python(peers: Path) -> Path:
     """A venv of its own for OpenVINO GenAI and optimum-intel (torch pinned to the CPU wheel first)."""
     venv = peers / "ov-venv"
     py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import openvino_genai, optimum.intel, nncf, gguf"],
+    if py.exists() and subprocess.run([str(py), "-c", "import openvino_genai, optimum.intel, nncf, gguf, accelerate"],
                                       capture_output=True).returncode == 0:
         return py
     log = peers / "ov-install.log"
@@ -253,6 +256,9 @@ def openvino_python(peers: Path) -> Path:
         run_logged([sys.executable, "-m", "venv", str(venv)], log)
     run_logged([str(py), "-m", "pip", "install", "-q", "torch==2.13.0"], log)
     run_logged([str(py), "-m", "pip", "install", "-q", *OV_PACKAGES, "torch==2.13.0"], log)
+    # optimum-intel pulls PyPI's torchvision, built against CUDA torch: beside the CPU wheel it fails to
+    # load and breaks transformers' imports. Exporting a text model does not need it.
+    run_logged([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision"], log)
     return py
 
 
@@ -263,7 +269,7 @@ gguf, out = sys.argv[1], sys.argv[2]
 import os
 d, f = os.path.dirname(gguf), os.path.basename(gguf)
 AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
-AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype="float32").save_pretrained(out)
+AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype="float32").save_pretrained(out)
 """
 
 
@@ -403,8 +409,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "just enough for every slot to hold a whole request")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="iterserve's and OpenVINO's step budget")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server -t / -tb")
-    p.add_argument("--skip", default="", help="comma-separated: iterserve-http, llama-q4_1, llama-bf16, "
-                                              "iterserve-offline, openvino")
+    p.add_argument("--skip", default="", help=f"comma-separated, of: {', '.join(TARGETS)}")
     p.add_argument("--openvino-weights", default=",".join(OV_WEIGHTS), help="OpenVINO weight formats to run")
     p.add_argument("--peers-dir", default=os.path.expanduser("~/.cache/iterserve-peers"))
     p.add_argument("--llama-server", default=None, help="a llama-server binary (default: build one in --peers-dir)")
@@ -426,23 +431,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def openvino_block_size(py: Path) -> int:
-    """KV block size of OpenVINO's CPU plugin, which sizes num_kv_blocks (32 where it does not say)."""
-    probe = "import openvino as ov; print(ov.Core().get_property('CPU', 'KV_CACHE_BLOCK_SIZE'))"
-    done = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
-    try:
-        return int(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return 32
-
-
 def setup_peers(args: argparse.Namespace, model: Path, skip: set[str]) -> dict:
     peers = Path(args.peers_dir)
     peers.mkdir(parents=True, exist_ok=True)
     got: dict = {}
     if not {"llama-q4_1", "llama-bf16"} <= skip:
-        server, quantize = ((Path(args.llama_server), Path(args.llama_quantize or "")) if args.llama_server
-                            else build_llama_cpp(peers))
+        server, quantize = build_llama_cpp(peers) if not args.llama_server else (
+            Path(args.llama_server), Path(args.llama_quantize or Path(args.llama_server).with_name("llama-quantize")))
         got["llama_server"] = server
         if "llama-bf16" not in skip:
             got["bf16"] = Path(args.bf16_gguf) if args.bf16_gguf else bf16_gguf(model, quantize, peers)
@@ -468,28 +463,31 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from iterserve.model.loader import default_model_path, load_tokenizer
 
     skip = {s for s in args.skip.split(",") if s}
+    if unknown := skip - set(TARGETS):
+        raise ValueError(f"unknown --skip {', '.join(sorted(unknown))}: use {', '.join(TARGETS)}")
+    if unknown := set(args.openvino_weights.split(",")) - set(OV_WEIGHTS):
+        raise ValueError(f"unknown --openvino-weights {', '.join(sorted(unknown))}: use {', '.join(OV_WEIGHTS)}")
     model = Path(args.model or default_model_path()).resolve()
     peers = setup_peers(args, model, skip)
     if args.setup_only:
         return {"peers": {k: str(v) for k, v in peers.items()}}
-    ov_block = openvino_block_size(peers["ov_python"]) if "ov_python" in peers else 32
     memory = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None
-    budget = kv_budget(args.max_num_seqs or args.concurrency, args.prompt_len + args.output_len, 16, memory,
-                       iterserve_kv_bytes_per_token(str(model)) if memory else None, ov_block)
+    budget = kv_budget(args.max_num_seqs or args.concurrency, args.prompt_len + args.output_len, BLOCK_SIZE, memory,
+                       iterserve_kv_bytes_per_token(str(model)) if memory else None, OV_CPU_BLOCK_SIZE)
     tok = load_tokenizer(str(model))
     fixed = lambda n: LengthDist("fixed", n)  # noqa: E731
     trace = materialize_prompts(make_trace(args.num_requests, fixed(args.prompt_len), fixed(args.output_len),
                                            arrivals="closed", concurrency=args.concurrency, seed=args.seed), tok)
     stream = materialize_prompts(make_trace(args.stream_requests, fixed(args.prompt_len), fixed(args.output_len),
                                             arrivals="closed", concurrency=1, seed=args.seed + 1), tok)
-    print(budget.describe(16, ov_block), flush=True)
+    print(budget.describe(BLOCK_SIZE, OV_CPU_BLOCK_SIZE), flush=True)
     http, offline = [], []
     # No host-RAM prompt cache (8 GiB by default): the KV budget is the pool alone, as for the others.
     llama = lambda gguf: [str(peers.get("llama_server")), "-m", str(gguf), *budget.llama_server_args(),  # noqa: E731
                           "-t", str(args.threads), "-tb", str(args.threads), "--cache-ram", "0",
                           *shlex.split(args.llama_args)]
     servers = [("iterserve-http", "iterserve serve",
-                [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(model), *budget.iterserve_args(16),
+                [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(model), *budget.iterserve_args(BLOCK_SIZE),
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens), *shlex.split(args.serve_args)]),
                ("llama-q4_1", f"llama-server {model.name}", llama(model)),
                ("llama-bf16", f"llama-server {Path(peers.get('bf16', 'BF16')).name}", llama(peers.get("bf16")))]
@@ -511,15 +509,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         child = ["--trace", path, "--slots", str(budget.slots)]
         if "iterserve-offline" not in skip:
             cmd = [sys.executable, os.path.abspath(__file__), "--iterserve-child", "--model", str(model), *child,
-                   "--kv-blocks", str(budget.tokens // 16)]
+                   "--kv-blocks", str(budget.tokens // BLOCK_SIZE)]
             offline.append(offline_row(run_child("iterserve LLM", cmd, 3600), trace))
         for fmt, ir in peers.get("ov_models", {}).items():
             cmd = [str(peers["ov_python"]), os.path.abspath(__file__), "--openvino-child", "--model", str(ir), *child,
-                   "--kv-blocks", str(budget.tokens // ov_block), "--max-num-batched-tokens",
+                   "--kv-blocks", str(budget.tokens // OV_CPU_BLOCK_SIZE), "--max-num-batched-tokens",
                    str(args.max_num_batched_tokens)]
             offline.append(offline_row(run_child(f"OpenVINO GenAI {fmt}", cmd, 3600), trace))
     return {"argv": argv, "model": str(model), "kv_budget": {"slots": budget.slots, "tokens": budget.tokens,
-                                                             "mapping": budget.describe(16, ov_block)},
+                                                             "mapping": budget.describe(BLOCK_SIZE, OV_CPU_BLOCK_SIZE)},
             "trace": trace.meta, "concurrency": args.concurrency, "http": http, "offline": offline}
 
 
