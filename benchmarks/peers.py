@@ -18,6 +18,8 @@ Figures, in one table:
   mean TTFT and TPOT (mean inter-token time after the first).
 - start-up: spawn to the first 200 from /health; RSS of the server process and its children after the
   runs (for the offline rows: the process's RSS after its run).
+- a sanity line per OpenVINO format: how many greedy tokens of the first request equal iterserve's
+  (the same model from the same GGUF; they drift apart where the dtypes round differently).
 
 The KV budget is the same for every engine, in token positions: --max-num-seqs slots (default
 --concurrency) and a pool of KVBudget.tokens positions, by default just enough for every slot to hold a
@@ -347,7 +349,7 @@ def iterserve_offline_child(args: argparse.Namespace) -> None:
                         use_tqdm=False)
     seconds = time.perf_counter() - t
     print(json.dumps({"output_tokens": sum(len(o.token_ids) for o in outs), "seconds": seconds,
-                      "load_s": load_s, "rss": self_rss()}))
+                      "load_s": load_s, "rss": self_rss(), "first_output": list(outs[0].token_ids)}))
 
 
 def openvino_child(args: argparse.Namespace) -> None:
@@ -381,7 +383,7 @@ def openvino_child(args: argparse.Namespace) -> None:
     outs = pipe.generate(prompts, configs)
     seconds = time.perf_counter() - t
     print(json.dumps({"output_tokens": sum(len(o.m_generation_ids[0]) for o in outs), "seconds": seconds,
-                      "load_s": load_s, "rss": self_rss(),
+                      "load_s": load_s, "rss": self_rss(), "first_output": list(outs[0].m_generation_ids[0]),
                       "settings": {"kv_cache_precision": "u8", "num_kv_blocks": args.kv_blocks,
                                    "max_num_seqs": args.slots, "openvino_genai": genai.__version__}}))
 
@@ -486,9 +488,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     llama = lambda gguf: [str(peers.get("llama_server")), "-m", str(gguf), *budget.llama_server_args(),  # noqa: E731
                           "-t", str(args.threads), "-tb", str(args.threads), "--cache-ram", "0",
                           *shlex.split(args.llama_args)]
-    servers = [("iterserve-http", "iterserve serve",
-                [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(model), *budget.iterserve_args(BLOCK_SIZE),
-                 "--max-num-batched-tokens", str(args.max_num_batched_tokens), *shlex.split(args.serve_args)]),
+    serve = [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(model), *budget.iterserve_args(BLOCK_SIZE),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), *shlex.split(args.serve_args)]
+    servers = [("iterserve-http", "iterserve serve", serve),
                ("llama-q4_1", f"llama-server {model.name}", llama(model)),
                ("llama-bf16", f"llama-server {Path(peers.get('bf16', 'BF16')).name}", llama(peers.get("bf16")))]
     for key, name, cmd in servers:
@@ -546,10 +548,18 @@ def format_report(report: dict) -> str:
     ov = [r for r in offline if r["name"].startswith("OpenVINO")]
     ours = next((r for r in offline if r["name"].startswith("iterserve")), None)
     if ov and ours:
+        for r in ov:  # the same model? greedy outputs agree for a while (they drift apart with the dtypes)
+            same = common_prefix(ours["first_output"], r["first_output"])
+            out.append(f"  {r['name']}: greedy tokens of the first request equal to iterserve's: "
+                       f"the first {same} of {len(ours['first_output'])}")
         best = max(ov, key=lambda r: r["output_tokens_per_s"])
         out.append(f"iterserve LLM / best OpenVINO GenAI ({best['name'].split()[-1]}, u8 KV): "
                    f"{ours['output_tokens_per_s'] / best['output_tokens_per_s']:.2f}x")
     return "\n".join(out)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def main(argv: list[str] | None = None) -> int:

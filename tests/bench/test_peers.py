@@ -47,10 +47,15 @@ def test_report_ratios_are_iterserve_over_each_peer():
     report = {"kv_budget": {"mapping": "KV budget"},
               "http": [{"name": "iterserve serve", "output_tokens_per_s": 300.0, **row},
                        {"name": "llama-server x.gguf", "output_tokens_per_s": 100.0, **row}],
-              "offline": [{"name": "iterserve LLM", "output_tokens_per_s": 320.0, "load_s": 3.0, "rss": 1 << 30},
-                          {"name": "OpenVINO GenAI int8", "output_tokens_per_s": 160.0, "load_s": 2.0, "rss": 1 << 29},
-                          {"name": "OpenVINO GenAI int4", "output_tokens_per_s": 200.0, "load_s": 2.0, "rss": 1 << 29}]}
+              "offline": [{"name": "iterserve LLM", "output_tokens_per_s": 320.0, "load_s": 3.0, "rss": 1 << 30,
+                           "first_output": [1, 2, 3, 4]},
+                          {"name": "OpenVINO GenAI int8", "output_tokens_per_s": 160.0, "load_s": 2.0, "rss": 1 << 29,
+                           "first_output": [1, 2, 9, 4]},
+                          {"name": "OpenVINO GenAI int4", "output_tokens_per_s": 200.0, "load_s": 2.0, "rss": 1 << 29,
+                           "first_output": [1, 2, 3, 4]}]}
     text = peers.format_report(report)
     llama = next(line for line in text.splitlines() if "llama-server" in line)
     assert "3.00" in llama
     assert "best OpenVINO GenAI (int4, u8 KV): 1.60x" in text
+    assert "int8: greedy tokens of the first request equal to iterserve's: the first 2 of 4" in text
+    assert "int4: greedy tokens of the first request equal to iterserve's: the first 4 of 4" in text
