@@ -24,10 +24,12 @@ all within the check: per-row int8 re-rounds the Q4_1 grid, int4 group-32 reprod
 Float weights on CPU are packed too, without quantizing: one copy, in one layout. Where the C++
 linear kernel builds (cpu_linear.cpp, AVX-512), float32 weights go into its panels: at a small
 batch it streams them at memory speed, where oneDNN's GEMV reaches only part of that, and the same
-layout serves large batches. Otherwise (bfloat16, float16, no kernel, ITERSERVE_CPU_KERNELS=0) they
-go into oneDNN's blocked layout: F.linear would hand oneDNN a plain [N, K] weight and pay that
-re-layout on every call (~70 us per linear at B=1, measured: 120 linears a step);
-`_linear_pointwise` on the packed weight gives bf16 results bit-identical to F.linear's.
+layout serves large batches. So do bfloat16 weights on a CPU without native bf16 (AVX-512 BF16 or
+AMX), where oneDNN emulates bf16 slowly: the kernel widens them in registers and computes in
+float32, reading half float32's bytes. Otherwise (native bf16, float16, no kernel,
+ITERSERVE_CPU_KERNELS=0) they go into oneDNN's blocked layout: F.linear would hand oneDNN a plain
+[N, K] weight and pay that re-layout on every call (~70 us per linear at B=1, measured: 120 linears
+a step); `_linear_pointwise` on the packed weight gives bf16 results bit-identical to F.linear's.
 """
 from __future__ import annotations
 
@@ -133,12 +135,19 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
     return Int4Weight(packed, scales_zeros, w.shape)
 
 
+def panel_dtype(dtype: torch.dtype) -> bool:
+    """Whether pack_float gives a CPU weight of this dtype the C++ kernel's panels (where it builds)."""
+    flags = cpu_kernels.cpu_flags()
+    native_bf16 = b"avx512_bf16" in flags or b"amx_bf16" in flags  # as model_runner.cpu_has_bf16 decides
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not native_bf16)
+
+
 def pack_float(w: torch.Tensor) -> Weight:
     """The C++ kernel's panels or oneDNN's layout for a float CPU weight (see the top), or the weight
     itself where neither can take it."""
     if w.device.type != "cpu":
         return w
-    if w.dtype == torch.float32 and cpu_kernels.linear_kernel() is not None:
+    if panel_dtype(w.dtype) and cpu_kernels.linear_kernel() is not None:
         return PanelWeight(cpu_kernels.pack_panels(w), w.shape)
     if not torch.backends.mkldnn.is_available():
         return w

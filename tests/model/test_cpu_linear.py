@@ -142,3 +142,18 @@ def test_panels_are_carved_from_shared_huge_page_mappings_and_freed_with_their_w
     gc.collect()
     assert mapping() is None  # the arena kept no strong reference: the mapping went with its tensors
     assert arena.empty((4,), torch.float32).shape == (4,)  # and it maps a new one when asked again
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags,panels", [(b"flags : avx512f avx512bw", True), (b"flags : avx512f avx512_bf16", False),
+                                          (b"flags : avx512f amx_bf16", False)])
+def test_bfloat16_weights_take_panels_only_where_the_cpu_lacks_native_bf16(monkeypatch, flags, panels):
+    """Without AVX-512 BF16 / AMX oneDNN emulates bf16; with them it runs natively and keeps the weights."""
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    torch.manual_seed(3)
+    w, x, bias = torch.randn(70, 48).bfloat16(), torch.randn(3, 48).bfloat16(), torch.randn(70).bfloat16()
+    packed = pack_float(w)
+    assert isinstance(packed, PanelWeight) == panels and isinstance(pack_float(w.float()), PanelWeight)
+    got = linear(x, packed, bias)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), bias.float()), atol=1e-5, rtol=2 ** -7)
