@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import socket
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     if server.ray_address is not None:
         fail("--ray-address places replicas on a Ray cluster: it needs --data-parallel-size > 1")
     sock = bind(server.host, server.port)
+    # No cyclic GC while the start allocates (torch's import, the app's, the load): each pass walks every
+    # object made so far, again and again. The load frees its buffers by refcount and collects once
+    # (weight_cache.release_load_buffers); what the start made is frozen out of later passes.
+    gc.disable()
     from iterserve.engine import Engine
     from iterserve.server.async_engine import AsyncEngine
 
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", server.host)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", name, server.host, server.port,
                 engine.max_model_len)
+    gc.freeze()
+    gc.enable()
     # the drain ends every stream by --shutdown-timeout; uvicorn's own limit only backs it up
     uv_config = uvicorn.Config(app, log_level="info", access_log=server.access_log, timeout_graceful_shutdown=5)
     GracefulServer(uv_config, async_engine, server.shutdown_timeout).run(sockets=[sock])
