@@ -10,8 +10,8 @@ bytes = linear weights + LM head + the K/V each sequence reads, FLOPs = 2 x weig
 per prompt length N (one fresh prompt, one step), FLOPs = 2 x layer weights x N + 2 x LM head (only
 the last row is sampled) + causal attention, and the weights are read once. "reached" is roofline
 time / measured time. The "bare linear" column is one pass through the same linear layers (the
-model's own oneDNN-packed or quantized weights) at the same shapes and nothing else: the floor this
-engine's own step can reach with torch's matmuls (the acceptance bar is step <= 1.43 x bare at B=64).
+model's own packed or quantized weights) at the same shapes and nothing else: the floor this
+engine's own step can reach with its matmuls (the acceptance bar is step <= 1.43 x bare at B=64).
 The machine may be shared: compare columns of one run, and run with --threads 1 when it is loaded.
 """
 from __future__ import annotations

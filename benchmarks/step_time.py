@@ -5,7 +5,7 @@
 
 For each batch size B, every sequence has `context` tokens already in the KV cache and decodes one
 token. Prints per-step medians (ms) for: iterserve, transformers (DynamicCache prefilled to the same
-length), a bare pass through all linear layers + LM head with the model's weights (oneDNN-packed
+length), a bare pass through all linear layers + LM head with the model's weights (packed
 or quantized), the same pass through F.linear on plain weights, and the roofline (weight bytes / measured
 copy bandwidth, FLOPs / measured matmul peak). The machine is shared: treat +-20% as noise.
 """
@@ -125,7 +125,7 @@ def main() -> None:
           f"copy bandwidth {bw / 1e9:.1f} GB/s, matmul peak {peak / 1e9:.0f} GFLOP/s")
     hf = None if args.no_hf else hf_model(runner.config.model_config.model or __import__(
         "iterserve.model.loader", fromlist=["x"]).default_model_path(), dtype)
-    # plain float weights of the same shapes through F.linear: the bare pass without oneDNN's packing
+    # plain float weights of the same shapes through F.linear: the bare pass without packing
     # (or quantization); the matmul's cost does not depend on the values
     plain = [torch.randn(*w.shape, dtype=dtype) * 0.02 for w in weights]
     print(f"{'B':>4} {'iterserve':>10} {'transformers':>13} {'ratio':>6} {'bare linear':>12} {'x bare':>7} "
