@@ -591,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.concurrency} concurrent, greedy, ignore_eos; one stream: {args.stream_requests} requests in turn")
     print(format_report(report))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
     return 0
