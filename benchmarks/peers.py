@@ -347,7 +347,8 @@ def iterserve_offline_child(args: argparse.Namespace) -> None:
 
     trace = Trace.load(args.trace)
     t = time.perf_counter()
-    llm = LLM(args.model, max_num_seqs=args.slots, num_kv_blocks=args.kv_blocks)
+    llm = LLM(args.model, max_num_seqs=args.slots, num_kv_blocks=args.kv_blocks,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     load_s = time.perf_counter() - t
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([trace.requests[0].prompt_token_ids[:16]], warm, use_tqdm=False)
@@ -518,7 +519,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         child = ["--trace", path, "--slots", str(budget.slots)]
         if "iterserve-offline" not in skip:
             cmd = [sys.executable, os.path.abspath(__file__), "--iterserve-child", "--model", str(model), *child,
-                   "--kv-blocks", str(budget.tokens // BLOCK_SIZE)]
+                   "--kv-blocks", str(budget.tokens // BLOCK_SIZE), "--max-num-batched-tokens",
+                   str(args.max_num_batched_tokens)]
             offline.append(offline_row(run_child("iterserve LLM", cmd, 3600), trace))
         for fmt, ir in peers.get("ov_models", {}).items():
             cmd = [str(peers["ov_python"]), os.path.abspath(__file__), "--openvino-child", "--model", str(ir), *child,
