@@ -223,7 +223,9 @@ def _roofline_times(model: ModelSpec, hw: HardwareSpec, rows: list[dict]) -> np.
     return np.array([cm.breakdown(r["q_lens"], r["ctx_lens"]).total_s - cm.fixed_overhead for r in rows])
 
 
-EFFICIENCY_GRID = [0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2]
+# Above 1: a prefetched read of packed weights over huge pages outruns the copy the bandwidth is
+# measured with (a copy also writes, and over 4 KiB pages).
+EFFICIENCY_GRID = [0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.5]
 # CPU attention gathers K/V through block tables and upcasts: far below the roofline, so its
 # factors reach down to 0.5%.
 ATTENTION_GRID = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4, 0.8]

@@ -32,6 +32,21 @@ def test_fit_recovers_a_known_machine():
     assert fitted.flops_efficiency == pytest.approx(0.4, rel=0.2)
 
 
+def test_fit_reaches_weight_reads_faster_than_the_measured_copy():
+    """A prefetched read over huge pages outruns the copy the bandwidth is measured with."""
+    spec = get_model_spec("smollm2-135m")
+    base = HardwareSpec("cpu", memory_bytes=16 << 30, mem_bandwidth=10e9, peak_flops=100e9, reserved_bytes=0)
+    truth = HardwareSpec(**{**base.to_json(), "mem_efficiency": 2.0, "flops_efficiency": 0.4, "attn_efficiency": 0.2,
+                            "step_overhead_s": 0.004, "seq_overhead_s": 0.0002})
+    rows = _rows()
+    for r, t in zip(rows, predict_rows(spec, truth, rows)):
+        r["measured_s"] = t
+    fitted, _ = fit_profile(spec, base, rows)
+    assert fitted.mem_efficiency == pytest.approx(2.0, rel=0.15)
+    for r, p in zip(rows, predict_rows(spec, fitted, rows)):
+        assert p == pytest.approx(r["measured_s"], rel=0.05)
+
+
 def test_simulate_loads_a_profile(tmp_path, capsys):
     hw = HardwareSpec("cpu-local", memory_bytes=16 << 30, mem_bandwidth=10e9, peak_flops=100e9, reserved_bytes=0)
     path = tmp_path / "cpu.json"
