@@ -194,13 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown policies {unknown}; choose from {POLICIES}")
     import ray
     from ray import serve
+
+    from iterserve.server.ray_app import start_ray
     os.environ.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     tokenizer = load_tokenizer(args.model or default_model_path())
     trace = multi_tenant_trace(args.num_tenants, args.system_prompt_len, args.num_requests, args.user_len,
                                args.output_len, args.request_rate, args.seed, tokenizer)
     port = free_port()
     rows = {}
-    ray.init(include_dashboard=False, log_to_driver=False)
+    start_ray(None)  # a local Ray, its workers at the engines' usual priority
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for policy in policies:

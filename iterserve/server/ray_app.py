@@ -292,6 +292,11 @@ def start_ray(address: str | None, num_cpus: float | None = None) -> None:
     import ray
     if address and ":" in address and "://" not in address:
         _check_reachable(address)
+    if address is None:
+        # Ray starts its workers at nice 15, so on a node shared with anything at nice 0 (the load
+        # generator, Ray's own control plane) the engines lose every contended slice. A cluster we
+        # join keeps its own setting.
+        os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False,
                  log_to_driver=False, ignore_reinit_error=True)

@@ -21,6 +21,18 @@ from tests.server.conftest import wait_for  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
+def replica_pids() -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"EngineReplica" in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
 def raylet_pids() -> set[int]:
     out = subprocess.run(["pgrep", "-f", "raylet/raylet"], capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
@@ -61,6 +73,8 @@ def test_serve_data_parallel_two_replicas_then_sigterm(tiny_checkpoint):
                 return False
             return r.status_code == 200 and len(r.json()["replicas"]) == 2
         wait_for(ready, 240, "the two replicas did not come up", interval=1.0)
+        # the local Ray runs the engines at normal priority, not at Ray's default worker nice of 15
+        assert replica_pids() and all(os.getpriority(os.PRIO_PROCESS, p) == 0 for p in replica_pids())
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         done = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0,
                                          extra_body={"ignore_eos": True})
