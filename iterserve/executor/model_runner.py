@@ -28,6 +28,7 @@ from iterserve.executor.sampler import make_batch, prompt_logprobs, sample, veri
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model import weight_cache
+from iterserve.model.cpu_kernels import cpu_has_bf16
 from iterserve.model.loader import ModelArch, default_model_path
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
@@ -45,15 +46,6 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
     return device
-
-
-def cpu_has_bf16() -> bool:
-    """avx512_bf16 or AMX: bf16 matmuls run natively, at half the weight bytes of float32."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -48,6 +48,12 @@ def cpu_flags() -> bytes:
         return b""
 
 
+def cpu_has_bf16() -> bool:
+    """avx512_bf16 or AMX: bf16 matmuls run natively, at half the weight bytes of float32."""
+    flags = cpu_flags()
+    return b"avx512_bf16" in flags or b"amx_bf16" in flags
+
+
 def cache_dir() -> Path:
     """~/.cache/iterserve (XDG_CACHE_HOME respected): the built kernels, and the weights (weight_cache.py)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

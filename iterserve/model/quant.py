@@ -139,9 +139,7 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
 
 def panel_dtype(dtype: torch.dtype) -> bool:
     """Whether pack_float gives a CPU weight of this dtype the C++ kernel's panels (where it builds)."""
-    flags = cpu_kernels.cpu_flags()
-    native_bf16 = b"avx512_bf16" in flags or b"amx_bf16" in flags  # as model_runner.cpu_has_bf16 decides
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and not native_bf16)
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_kernels.cpu_has_bf16())
 
 
 def pack_float(w: torch.Tensor) -> Weight:

@@ -9,7 +9,8 @@ import torch
 
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
-from iterserve.executor.model_runner import ModelRunner, cpu_has_bf16
+from iterserve.executor.model_runner import ModelRunner
+from iterserve.model.cpu_kernels import cpu_has_bf16
 from iterserve.sampling_params import SamplingParams
 
 PROMPT_LENS = [3, 7, 16, 33, 64, 100, 180, 300]

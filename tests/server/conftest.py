@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
+import torch
 import uvicorn
 
 from iterserve.config import EngineConfig
@@ -120,3 +121,17 @@ def fake_server(tokenizer):
     server = start_server(fake_engine(tokenizer, step_delay=0.005), max_request_bytes=64 << 10)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A small random Llama with the default model's tokenizer: a real checkpoint that loads in a moment."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = tmp_path_factory.mktemp("tiny-smol")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

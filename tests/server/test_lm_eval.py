@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
@@ -28,19 +27,6 @@ QUESTIONS = [
     ("Paris is the capital of", [" France", " Mars", " music", " Tuesday"], 0),
 ]
 GEN_QUESTIONS = ["Say hello.", "Name a colour.", "Count to three.", "What is 2+2?", "Name a fruit.", "Say yes."]
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    path = tmp_path_factory.mktemp("tiny-smol")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

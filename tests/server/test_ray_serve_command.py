@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 ray = pytest.importorskip("ray", reason="ray[serve] is not installed (pip install 'iterserve[serve]')")
 httpx = pytest.importorskip("httpx")
@@ -38,26 +37,12 @@ def raylet_pids() -> set[int]:
     return {int(p) for p in out.split()}
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory, tokenizer):
-    """A small random Llama with the default model's tokenizer: loads in a moment in each replica."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    path = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def test_serve_data_parallel_two_replicas_then_sigterm(tiny_checkpoint):
+def test_serve_data_parallel_two_replicas_then_sigterm(tiny_model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     before = raylet_pids()
-    proc = subprocess.Popen([sys.executable, "-m", "iterserve.cli", "serve", "--model", tiny_checkpoint,
+    proc = subprocess.Popen([sys.executable, "-m", "iterserve.cli", "serve", "--model", tiny_model_dir,
                              "--data-parallel-size", "2", "--num-cpus-per-replica", "0.5", "--num-threads", "1",
                              "--kv-cache-memory", "8MiB", "--max-num-seqs", "4", "--served-model-name", "tiny",
                              "--host", "127.0.0.1", "--port", str(port)],
