@@ -45,3 +45,5 @@ class StepRecord:
     decode_ids: list[str]  # requests that decoded this step (padding rows excluded)
     preempted_ids: list[str]
     num_prefill_tokens: int = 0  # prompt (or recomputed) tokens computed this step; the rest are decodes
+    # per prefill id, the prompt tokens it had computed before this step (a prefix-cache hit starts past 0)
+    prefill_starts: list[int] = field(default_factory=list)

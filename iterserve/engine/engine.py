@@ -357,7 +357,7 @@ class Engine:
         return {s.request_id: lp for s, lp in zip(plan.scheduled, result.logprobs) if lp is not None}
 
     def _record(self, plan, start: float) -> StepRecord:
-        prefill, decode = [], []
+        prefill, decode, starts = [], [], []
         num_prefill_tokens = 0
         for s in plan.scheduled:
             if s.is_padding:
@@ -366,7 +366,8 @@ class Engine:
                 decode.append(s.request_id)
             else:
                 prefill.append(s.request_id)
+                starts.append(s.start_pos)
                 num_prefill_tokens += len(s.token_ids)
         return StepRecord(start, self.clock(), self.scheduler.num_running, self.scheduler.num_waiting,
                           plan.num_batched_tokens, self.scheduler.kv_usage, prefill, decode,
-                          list(plan.preempted_ids), num_prefill_tokens)
+                          list(plan.preempted_ids), num_prefill_tokens, starts)

@@ -194,6 +194,15 @@ class AsyncEngine:
             self._thread.join(timeout)
         self.engine.shutdown()  # an executor's worker processes (tensor parallel) end with the engine
 
+    def thread_cpu_s(self) -> float:
+        """CPU seconds the engine thread has used (0 before it starts, or where the OS cannot say): beside
+        the wall time of its steps, how much of a step the thread spent off the CPU."""
+        thread = self._thread
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (AttributeError, OSError, TypeError):
+            return 0.0
+
     def drain(self, timeout: float) -> None:
         """Graceful shutdown: refuse new requests (503) from now on; the accepted ones run for up to
         `timeout` seconds, then end with a ShutdownTimeoutError (an SSE error event). Any thread."""

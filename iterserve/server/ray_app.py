@@ -16,10 +16,13 @@ error; others are untouched.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import socket
 import time
+from collections import deque
 from typing import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse
@@ -45,22 +48,40 @@ _REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 class EngineReplica:
     """One engine (an AsyncEngine on its own thread) in one Ray actor process."""
 
-    def __init__(self, build_engine: Callable[[], object], request_timeout: float | None = None) -> None:
+    def __init__(self, build_engine: Callable[[], object], request_timeout: float | None = None,
+                 step_log_dir: str | None = None) -> None:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.num_requests = 0
         # Replica-side TTFT (the call's start to its first token leaving the replica): set against the
         # ingress's own TTFT, it tells the engine's share of what the client waits from the hops'.
         self.num_first_tokens = 0
         self.ttft_sum_s = 0.0
-        self.async_engine = AsyncEngine(build_engine, request_timeout=request_timeout,
-                                        on_step=lambda stats, outputs: setattr(self, "stats", stats))
+        # step_log_dir: every step's record and every request's prompt length, appended to
+        # <dir>/<replica id>.jsonl at each stats poll, so a benchmark can price the real steps
+        # (sim/step_check.py) after the run.
+        self.step_log = None if step_log_dir is None else os.path.join(step_log_dir, f"{self.replica_id}.jsonl")
+        self.unlogged: deque[dict] = deque()  # appended by the engine thread, emptied by the stats poll
+        self.async_engine = AsyncEngine(build_engine, request_timeout=request_timeout, on_step=self._on_step)
         self.stats = self.async_engine.engine.stats
+
+    def _on_step(self, stats, outputs) -> None:
+        if self.step_log is not None and stats.last_step is not None and stats.num_steps != self.stats.num_steps:
+            self.unlogged.append({"step": dataclasses.asdict(stats.last_step)})
+        self.stats = stats
+
+    def _flush_step_log(self) -> None:
+        lines = [self.unlogged.popleft() for _ in range(len(self.unlogged))]
+        if lines:
+            with open(self.step_log, "a") as f:
+                f.writelines(json.dumps(line) + "\n" for line in lines)
 
     async def generate(self, prompt: list[int] | str, params: SamplingParams, request_id: str, priority: int,
                        cache_salt: str | None) -> AsyncIterator[RequestOutput | str]:
         """Yields this replica's id once the engine accepted the request (bad input raises before), then
         its outputs."""
         start = time.monotonic()
+        if self.step_log is not None and isinstance(prompt, list):  # before any step of it can be logged
+            self.unlogged.append({"request_id": request_id, "prompt_len": len(prompt)})
         stream = await self.async_engine.add_request(prompt, params, request_id=request_id, priority=priority,
                                                      cache_salt=cache_salt)
         self.num_requests += 1
@@ -80,11 +101,14 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """Ray's routing-stats hook, polled by the controller; our router reads the result."""
+        if self.step_log is not None:
+            self._flush_step_log()
         s = self.stats
         return {"num_running": s.num_running, "num_waiting": s.num_waiting + s.num_swapped, "kv_usage": s.kv_usage,
                 "num_preemptions": s.num_preemptions, "num_prefix_queries": s.num_prefix_queries,
                 "num_prefix_hits": s.num_prefix_hits, "num_requests": self.num_requests, "pid": os.getpid(),
                 "num_first_tokens": self.num_first_tokens, "ttft_sum_s": self.ttft_sum_s,
+                "engine_cpu_s": self.async_engine.thread_cpu_s(),
                 "alive": self.async_engine.dead is None}
 
     def check_health(self) -> None:
@@ -268,7 +292,7 @@ class Ingress:
 def build_ray_app(build_engine: Callable[[], object], num_replicas: int, served_model_name: str, *,
                   policy: str = "prefix-affinity", block_size: int = 16, num_cpus_per_replica: float = 1.0,
                   num_gpus_per_replica: int = 0, request_timeout: float | None = None, stats_period_s: float = 0.5,
-                  **app_kwargs):
+                  step_log_dir: str | None = None, **app_kwargs):
     """The Serve application (bind graph): `serve.run(build_ray_app(...))` starts it."""
     if num_replicas < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {num_replicas}")
@@ -284,7 +308,7 @@ def build_ray_app(build_engine: Callable[[], object], num_replicas: int, served_
     # proxy, outside the engines' queues, metrics and routing, capping the whole app's batch at 5.
     ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=100_000)
-    return ingress.bind(replica.bind(build_engine, request_timeout), served_model_name, **app_kwargs)
+    return ingress.bind(replica.bind(build_engine, request_timeout, step_log_dir), served_model_name, **app_kwargs)
 
 
 def start_ray(address: str | None, num_cpus: float | None = None) -> None:

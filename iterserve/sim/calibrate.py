@@ -161,6 +161,32 @@ def measure_steps(runner, points: list[tuple], reps: int) -> list[dict]:
     return rows
 
 
+def measure_kv_handoff(runner, tokens: int = 2048, reps: int = 3) -> tuple[float, float]:
+    """(send, receive) bytes/s of a P/D hand-off of a `tokens`-token prompt through the same-host
+    transport: the prefill side's read_blocks and ShmConnector.send (the copy into shared memory), the
+    decode side's receive and write_blocks. Best of reps, like the other microbenchmarks."""
+    from iterserve.kv_transfer.shm_connector import ShmConnector
+    block_ids = list(range(-(-tokens // runner.block_size)))
+    connector = ShmConnector()
+    try:
+        def send():
+            connector.send("calibrate", runner.read_blocks(block_ids), [], None)
+
+        def receive():
+            runner.write_blocks(block_ids, connector.receive(timeout=60).blocks)
+        send_s, receive_s = float("inf"), float("inf")
+        for _ in range(reps + 1):  # the first round warms up
+            t0 = time.perf_counter()
+            send()
+            t1 = time.perf_counter()
+            receive()
+            send_s, receive_s = min(send_s, t1 - t0), min(receive_s, time.perf_counter() - t1)
+        nbytes = runner.read_blocks(block_ids).nbytes
+    finally:
+        connector.close()
+    return nbytes / send_s, nbytes / receive_s
+
+
 def _point_label(row: dict) -> str:
     """length[@cached]; a mixed step: context+chunk[@cached]."""
     if row["kind"] == "mixed":
@@ -389,16 +415,21 @@ def _calibrate(model_path: str | None, runner_kwargs: dict, reps: int, points: l
     hw, err = fit_profile(spec, base, rows)
     host_fixed, host_seq = measure_host_overhead(runner.tokenizer, [1, 8, 32])
     print(f"  engine host work: {host_fixed * 1e3:.2f} ms/step + {host_seq * 1e6:.0f} us/request", flush=True)
+    kv_send, kv_receive = measure_kv_handoff(runner)
+    print(f"  P/D hand-off of a 2,048-token prompt (shared memory): send {kv_send / 1e9:.2f} GB/s, "
+          f"receive {kv_receive / 1e9:.2f} GB/s", flush=True)
     for r, p in zip(rows, predict_rows(spec, hw, rows)):  # the runner's steps: without the host work
         r["predicted_s"] = p
         r["error"] = p / r["measured_s"] - 1
     # the engine's steps = the runner's + its own host work (schedule, update, detokenize)
     hw = HardwareSpec(**{**hw.to_json(), "step_overhead_s": hw.step_overhead_s + host_fixed,
-                         "seq_overhead_s": hw.seq_overhead_s + host_seq})
+                         "seq_overhead_s": hw.seq_overhead_s + host_seq, "kv_send_bandwidth": kv_send,
+                         "kv_receive_bandwidth": kv_receive})
     return {"hardware": hw.to_json(),
             "model": {"path": path, "name": spec.name, "dtype_bytes": elem},
             "measured": {"matmul_flops": flops, "mem_bandwidth": bw, "threads": torch.get_num_threads(),
-                         "host_step_s": host_fixed, "host_seq_s": host_seq, "steps": rows,
+                         "host_step_s": host_fixed, "host_seq_s": host_seq, "kv_send_bandwidth": kv_send,
+                         "kv_receive_bandwidth": kv_receive, "steps": rows,
                          "fit_rms_rel_error": float(np.sqrt(err / len(rows))),
                          **({"neighbour": list(neighbour_point)} if neighbour_point else {})},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -41,12 +41,32 @@ class ClusterStats:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class SharedHost:
+    """The replicas of a group on one host of `cores` cores (a CPU test bed), each stepping on `threads`
+    threads, beside `background_cores` of other work (the load generator, the HTTP front end, the
+    replicas' own serving threads, in CPU seconds per second). That work sleeps most of the time and runs
+    as soon as it wakes (the kernel's scheduler favours a task that slept), so the busy replicas share
+    what it leaves: a step priced at t takes t * max(1, threads x busy replicas / (cores - background)).
+    A profile calibrated with every replica's threads busy at once (side-by-side calibrations) prices
+    the share of 1."""
+
+    cores: float
+    threads: int = 1
+    background_cores: float = 0.0
+
+    def stretch(self, busy_replicas: int) -> float:
+        free = max(self.cores - self.background_cores, 1e-3)
+        return max(1.0, self.threads * busy_replicas / free)
+
+
 class ReplicaGroup:
     """Some of the cluster's replicas, stepped up to a time. Replicas interact only through routing,
     so between two arrivals each one runs on its own; the groups may live in worker processes."""
 
-    def __init__(self, engines: list, first_index: int = 0) -> None:
+    def __init__(self, engines: list, first_index: int = 0, host: SharedHost | None = None) -> None:
         self.engines = engines
+        self.host = host
         self.first, self.count = first_index, len(engines)
         self.busy: list[tuple[float, int]] = []  # (the replica's clock, its local index), replicas with work
         self.arrivals: list[tuple[float, int, int, TraceRequest]] = []  # routed, not yet arrived
@@ -80,6 +100,8 @@ class ReplicaGroup:
                 break
             _, k = heapq.heappop(busy)
             engine = self.engines[k]
+            if self.host is not None:  # the replicas still in `busy` are mid-step now
+                engine.executor.time_scale = self.host.stretch(len(busy) + 1)
             before = engine.clock()
             outputs = engine.step(unfinished=False)  # only finished requests' outputs are read
             assert engine.clock() > before or not engine.has_unfinished(), "a replica with work made no progress"
@@ -161,11 +183,12 @@ def _group_worker(conn, make_engine: Callable[[], object], first: int, count: in
 
 
 def run_cluster(engines: list, trace: Trace, router: Router, name: str = "cluster",
-                report_interval: float = 0.0) -> tuple[TargetResult, ClusterStats]:
+                report_interval: float = 0.0, host: SharedHost | None = None) -> tuple[TargetResult, ClusterStats]:
     """Drive an open-loop trace through `engines` (each with its own virtual clock, all at 0).
-    report_interval: see _drive_arrivals."""
-    return _drive([ReplicaGroup(engines)], len(engines), engines[0].scheduler.block_size, trace, router, name,
-                  report_interval)
+    report_interval: see _drive_arrivals. host: the engines share one host's cores (default: each has
+    its own)."""
+    return _drive([ReplicaGroup(engines, host=host)], len(engines), engines[0].scheduler.block_size, trace, router,
+                  name, report_interval)
 
 
 def run_cluster_parallel(make_engine: Callable[[], object], replicas: int, workers: int, trace: Trace,

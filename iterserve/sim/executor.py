@@ -72,13 +72,15 @@ class SimulatedExecutor:
         self.token_id = token_id
         self.num_steps = 0
         self.busy_time = 0.0  # modelled seconds spent in steps (the rest of the clock is idle)
+        # > 1 while the engine shares its cores with more work than they hold (sim/cluster.py SharedHost)
+        self.time_scale = 1.0
 
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_cache_spec.num_device_blocks
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        dt = self.cost.plan_time(plan)
+        dt = self.cost.plan_time(plan) * self.time_scale
         self.clock.advance(dt)
         self.num_steps += 1
         self.busy_time += dt
@@ -88,14 +90,18 @@ class SimulatedExecutor:
     def shutdown(self) -> None:
         """No device state to release."""
 
-    # P/D hand-off (sim/disagg.py): only the blocks' shape, hence their bytes, is modelled
+    # P/D hand-off (sim/disagg.py): only the blocks' shape, hence their bytes, is modelled; the engine
+    # waits for its copies, so they move its clock (they fall between its steps, as they do for real)
     def read_blocks(self, block_ids: list[int]) -> "SimulatedBlocks":
         s = self.kv_cache_spec
-        return SimulatedBlocks((s.num_layers, 2, len(block_ids), s.block_size, s.num_kv_heads, s.head_width),
-                               DTYPE_BYTES[s.dtype])
+        blocks = SimulatedBlocks((s.num_layers, 2, len(block_ids), s.block_size, s.num_kv_heads, s.head_width),
+                                 DTYPE_BYTES[s.dtype])
+        self.clock.advance(blocks.nbytes / self.hardware.kv_send_bytes_per_s)
+        return blocks
 
     def write_blocks(self, block_ids: list[int], blocks: "SimulatedBlocks") -> None:
         assert blocks.shape[2] == len(block_ids), (blocks.shape, len(block_ids))
+        self.clock.advance(blocks.nbytes / self.hardware.kv_receive_bytes_per_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ GB = 1e9
 GiB = 1 << 30
 
 
-LATER_FIELDS = ("mixed_step_overhead_s", "mixed_seq_overhead_s")
+LATER_FIELDS = ("mixed_step_overhead_s", "mixed_seq_overhead_s", "kv_send_bandwidth", "kv_receive_bandwidth")
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,8 +41,21 @@ class HardwareSpec:
     interconnect_bandwidth: float = 300 * GB  # bytes/s one way between GPUs (NVLink)
     allreduce_latency_s: float = 8e-6  # fixed cost of one all-reduce
     host_link_bandwidth: float = 25 * GB  # bytes/s device<->host for swap (PCIe)
+    # P/D hand-off, bytes/s of the request's KV blocks, paid by the engine itself (it waits for them): the
+    # prefill side's copy out of its pool and onto the transport, the decode side's copy off it into its
+    # pool. None: host_link_bandwidth (a GPU pool's blocks cross PCIe each way). `calibrate` measures both.
+    kv_send_bandwidth: float | None = None
+    kv_receive_bandwidth: float | None = None
     reserved_bytes: int = GiB  # runtime context, CUDA graphs, allocator slack
     kind: str = "gpu"  # "cpu": the KV pool is sized from kv_cache_memory, as the CPU engine does
+
+    @property
+    def kv_send_bytes_per_s(self) -> float:
+        return self.kv_send_bandwidth or self.host_link_bandwidth
+
+    @property
+    def kv_receive_bytes_per_s(self) -> float:
+        return self.kv_receive_bandwidth or self.host_link_bandwidth
 
     @property
     def kv_mem_efficiency(self) -> float:
@@ -53,7 +66,7 @@ class HardwareSpec:
         without them writes the same JSON as before."""
         data = asdict(self)
         for name in LATER_FIELDS:
-            if data[name] == 0.0:
+            if not data[name]:
                 del data[name]
         return data
 

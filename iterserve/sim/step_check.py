@@ -40,18 +40,21 @@ def step_kind(q_lens: list[int]) -> str:
 
 def shapes_from_records(records: list[StepRecord], prompt_lens: dict[str, int]) -> list[StepShape]:
     """Each step's (new tokens, context after the step) per request, replayed from the records in order.
-    A record names its prompt requests and their total tokens; they are split in the scheduler's order
-    (each takes what is left of its prompt, up to what is left of the total). A request first seen
-    decoding (a P/D decode engine's hand-off) starts with its whole prompt computed. A preempted request's
-    recomputation is not replayed (its chunks are priced as prompt tokens it had already computed): check
-    that the run preempted nothing (EngineStats.num_preemptions) before trusting its rows."""
+    A record names its prompt requests, where each one's chunk starts (past a prefix-cache hit) and their
+    total tokens; they are split in the scheduler's order (each takes what is left of its prompt, up to
+    what is left of the total). A record without the starts (an older one) has each prompt start where
+    its previous chunk ended, from 0: prefix-cache hits are then priced as computed. A request first seen
+    decoding (a P/D decode engine's hand-off) starts with its whole prompt computed. Without the starts, a
+    preempted request's recomputation is not replayed either (its chunks are priced as prompt tokens it had
+    already computed)."""
     computed: dict[str, int] = {}
     shapes = []
     for r in records:
         q_lens, ctx_lens = [], []
         left = r.num_prefill_tokens
-        for rid in r.prefill_ids:
-            done = computed.get(rid, 0)
+        starts = r.prefill_starts if len(r.prefill_starts) == len(r.prefill_ids) else None
+        for k, rid in enumerate(r.prefill_ids):
+            done = starts[k] if starts is not None else computed.get(rid, 0)
             q = max(1, min(prompt_lens[rid] - done, left))
             left -= q
             computed[rid] = done + q

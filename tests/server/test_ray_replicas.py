@@ -3,6 +3,7 @@ a replica killed mid-request (only its requests fail; Ray restarts it and the ap
 the latencies the ingress measures on /metrics."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -44,7 +45,12 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def step_log_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("steps")
+
+
+@pytest.fixture(scope="module")
+def cluster(step_log_dir):
     from ray import serve
 
     from iterserve.server.ray_app import build_ray_app, start_ray, wait_until_ready
@@ -53,8 +59,8 @@ def cluster():
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_ray_app(build_engine, 2, MODEL, policy="round-robin", num_cpus_per_replica=0.5),
-                  blocking=False)
+        serve.run(build_ray_app(build_engine, 2, MODEL, policy="round-robin", num_cpus_per_replica=0.5,
+                                step_log_dir=str(step_log_dir)), blocking=False)
         wait_until_ready(120)
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -66,7 +72,12 @@ def health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=10).json()["replicas"]
 
 
-def test_two_replicas_serve_the_openai_client_then_survive_a_killed_one(cluster):
+def read_step_log(path) -> tuple[list[dict], dict[str, int]]:
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [x["step"] for x in lines if "step" in x], {x["request_id"]: x["prompt_len"] for x in lines if "prompt_len" in x}
+
+
+def test_two_replicas_serve_the_openai_client_then_survive_a_killed_one(cluster, step_log_dir):
     url = cluster
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     wait_for(lambda: len(health(url)) == 2, 60, "two replicas did not report")
@@ -85,6 +96,15 @@ def test_two_replicas_serve_the_openai_client_then_survive_a_killed_one(cluster)
              "the replicas did not report their TTFTs")
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert metrics.count('iterserve:replica_requests_total{model_name="test-model",replica=') == 2
+    # each replica logged its steps and its requests' prompt lengths (flushed at each stats poll), and
+    # reports its engine thread's CPU time
+    wait_for(lambda: len(list(step_log_dir.iterdir())) == 2, 30, "the replicas did not log their steps")
+    for path in step_log_dir.iterdir():
+        steps, prompt_lens = read_step_log(path)
+        ids = {rid for step in steps for rid in step["prefill_ids"] + step["decode_ids"]}
+        assert ids and ids <= set(prompt_lens) and set(prompt_lens.values()) <= {3, 4}
+        assert all(len(step["prefill_starts"]) == len(step["prefill_ids"]) for step in steps)
+    assert all(s["engine_cpu_s"] > 0 for s in health(url).values())
 
     # more requests than Ray's default of 5 ongoing per deployment replica reach the engines at once
     with ThreadPoolExecutor(12) as pool:

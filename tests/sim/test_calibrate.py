@@ -112,3 +112,27 @@ def test_neighbour_flag_takes_one_point_and_a_dead_neighbour_is_named(tmp_path, 
         with neighbour(("decode", 1, 8, 0), {"model": str(tmp_path / "missing-model")}, start_timeout_s=120):
             pass
     assert not (tmp_path / "x.json").exists()
+
+
+def test_kv_handoff_is_timed_through_the_shared_memory_transport():
+    """The runner's own block copies and the shm connector, on a small pool: the blocks arrive intact."""
+    import torch
+
+    from iterserve.sim.calibrate import measure_kv_handoff
+
+    class Runner:
+        block_size = 16
+        pool = torch.randn(2, 2, 8, 16, 1, 4)
+        written: list = []
+
+        def read_blocks(self, ids):
+            return self.pool[:, :, ids].clone()
+
+        def write_blocks(self, ids, blocks):
+            self.written.append((ids, blocks.clone()))
+
+    runner = Runner()
+    send, receive = measure_kv_handoff(runner, tokens=64, reps=2)
+    assert send > 0 and receive > 0
+    ids, blocks = runner.written[-1]
+    assert ids == [0, 1, 2, 3] and torch.equal(blocks, runner.pool[:, :, :4])

@@ -8,7 +8,7 @@ from iterserve.bench.workload import LengthDist, make_trace, materialize_prompts
 from iterserve.config import EngineConfig
 from iterserve.router import make_router
 from iterserve.sim.cli import main as simulate_main, make_engine
-from iterserve.sim.cluster import run_cluster
+from iterserve.sim.cluster import SharedHost, run_cluster
 from iterserve.sim.hardware import get_hardware
 from iterserve.sim.model_spec import get_model_spec
 
@@ -40,6 +40,26 @@ def test_replicas_share_the_work_and_all_requests_finish():
     # parallel replicas: the run takes far less modelled time than one engine's busy time for all of it
     busy = sum(s.end - s.start for s in result.steps)
     assert result.duration < 0.6 * busy
+
+
+def test_a_shared_host_stretches_steps_only_while_its_cores_are_oversubscribed():
+    assert SharedHost(2, 1, 0.4).stretch(1) == 1.0  # one busy replica and the background fit in 2 cores
+    assert SharedHost(2, 1, 0.4).stretch(2) == pytest.approx(1.25)  # two share the 1.6 cores left
+    assert SharedHost(4, 2, 0.0).stretch(2) == 1.0
+    # two replicas given the same work at once, both busy throughout: every step takes 1.25x as long
+    trace = make_trace(16, LengthDist("fixed", 96), LengthDist("fixed", 32), arrivals="offline", seed=2)
+    alone, _ = run_cluster(engines(2), trace, make_router("round-robin"))
+    shared, _ = run_cluster(engines(2), trace, make_router("round-robin"), host=SharedHost(2, 1, 0.4))
+    assert shared.duration == pytest.approx(1.25 * alone.duration, rel=0.01)
+    stretched = [(b.end - b.start) / (a.end - a.start) for a, b in zip(alone.steps, shared.steps)]
+    # all but the very last step, which a replica may take when the other has just finished
+    assert stretched[:-2] == pytest.approx([1.25] * (len(stretched) - 2))
+    # requests one after another, never two busy replicas: nothing stretches
+    spaced = make_trace(4, LengthDist("fixed", 96), LengthDist("fixed", 8), arrivals="poisson", request_rate=0.01,
+                        seed=2)
+    alone, _ = run_cluster(engines(2), spaced, make_router("round-robin"))
+    shared, _ = run_cluster(engines(2), spaced, make_router("round-robin"), host=SharedHost(2, 1, 0.4))
+    assert [m.e2e for m in shared.requests] == pytest.approx([m.e2e for m in alone.requests])
 
 
 def test_prefix_affinity_beats_round_robin_on_a_multi_tenant_trace():

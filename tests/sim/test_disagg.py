@@ -65,6 +65,22 @@ def test_transfer_time_is_bytes_over_bandwidth():
     assert sum(m.e2e for m in slow.requests) > sum(m.e2e for m in fast.requests) + 0.5 * expected * len(trace.requests)
 
 
+def test_each_engine_waits_for_its_own_hand_off_copies():
+    """The prefill side's copy out and the decode side's copy in move their engines' clocks: a lone
+    request's second token comes that much later, its first token no later."""
+    from dataclasses import replace
+    trace = trace_at(1, n=1)
+    nbytes = -(-trace.requests[0].prompt_len // 16) * make_engine(EngineConfig(), MODEL, HW).executor.kv_cache_spec.bytes_per_block
+
+    def run(send, receive):
+        hw = replace(HW, kv_send_bandwidth=send, kv_receive_bandwidth=receive)
+        return run_disagg(lambda: make_engine(EngineConfig(max_num_seqs=32), MODEL, hw), 1, 1, trace, 1e15).requests[0]
+    fast, slow = run(1e15, 1e15), run(1e9, 2e9)
+    assert slow.ttft == pytest.approx(fast.ttft)
+    assert slow.e2e - fast.e2e == pytest.approx(nbytes / 1e9 + nbytes / 2e9, rel=1e-3)
+    assert HW.kv_send_bytes_per_s == HW.kv_receive_bytes_per_s == HW.host_link_bandwidth  # unset: over PCIe
+
+
 def test_compare_reports_goodput_per_device_for_colocated_and_each_split():
     slo = Slo(ttft=0.5, tpot=0.05)
     rows = compare(factory([]), trace_at, [(1, 1)], HW.interconnect_bandwidth, slo)

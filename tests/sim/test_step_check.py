@@ -1,9 +1,15 @@
 """step_check: real step records turned back into step shapes and priced (no model runs here)."""
+import dataclasses
+
 import pytest
 
+from iterserve.config import EngineConfig
+from iterserve.engine import Engine
 from iterserve.outputs import StepRecord
+from iterserve.sampling_params import SamplingParams
+from iterserve.sim.cli import make_engine
 from iterserve.sim.cost_model import CostModel
-from iterserve.sim.hardware import HardwareSpec
+from iterserve.sim.hardware import HardwareSpec, get_hardware
 from iterserve.sim.model_spec import get_model_spec
 from iterserve.sim.step_check import check_steps, format_check, shapes_from_records, step_kind
 
@@ -32,6 +38,25 @@ def test_shapes_replay_chunks_decodes_and_handoffs():
         ([512], [512]), ([188, 64], [700, 64]), ([1, 1, 1], [701, 65, 101]), ([1], [702])]
     assert [s.kind for s in shapes] == ["prefill", "prefill", "decode", "decode"]
     assert step_kind([1, 64]) == "mixed"
+
+
+def test_shapes_start_past_a_prefix_cache_hit_where_the_engine_records_it():
+    """A prompt of 1,088 tokens with 1,024 cached computes 64 at context 1,088, and decodes from there;
+    the engine's own record says where the chunk started."""
+    engine = make_engine(EngineConfig(model=None), get_model_spec("smollm2-135m"), get_hardware("a100-80gb"))
+    assert isinstance(engine, Engine)
+    system = list(range(1000, 2024))
+    prompts = {"a": system + [7] * 64, "b": system + [8] * 64}
+    for rid, ids in prompts.items():
+        engine.add_request(ids, SamplingParams(max_tokens=2, ignore_eos=True), request_id=rid)
+        while engine.has_unfinished():
+            engine.step()
+    shapes = shapes_from_records(list(engine.step_records), {rid: len(ids) for rid, ids in prompts.items()})
+    b_prefill, b_decode = shapes[-2:]
+    assert (b_prefill.q_lens, b_prefill.ctx_lens) == ([64], [1088])
+    assert (b_decode.q_lens, b_decode.ctx_lens) == ([1], [1089])
+    older = [dataclasses.replace(r, prefill_starts=[]) for r in engine.step_records]  # records without starts
+    assert shapes_from_records(older, {rid: len(ids) for rid, ids in prompts.items()})[-2].ctx_lens == [64]
 
 
 def test_check_prices_each_kind_and_counts_only_busy_gaps():
