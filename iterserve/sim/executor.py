@@ -96,12 +96,14 @@ class SimulatedExecutor:
         s = self.kv_cache_spec
         blocks = SimulatedBlocks((s.num_layers, 2, len(block_ids), s.block_size, s.num_kv_heads, s.head_width),
                                  DTYPE_BYTES[s.dtype])
-        self.clock.advance(blocks.nbytes / self.hardware.kv_send_bytes_per_s)
+        if self.hardware.kv_send_bandwidth:
+            self.clock.advance(blocks.nbytes / self.hardware.kv_send_bandwidth)
         return blocks
 
     def write_blocks(self, block_ids: list[int], blocks: "SimulatedBlocks") -> None:
         assert blocks.shape[2] == len(block_ids), (blocks.shape, len(block_ids))
-        self.clock.advance(blocks.nbytes / self.hardware.kv_receive_bytes_per_s)
+        if self.hardware.kv_receive_bandwidth:
+            self.clock.advance(blocks.nbytes / self.hardware.kv_receive_bandwidth)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,19 +43,13 @@ class HardwareSpec:
     host_link_bandwidth: float = 25 * GB  # bytes/s device<->host for swap (PCIe)
     # P/D hand-off, bytes/s of the request's KV blocks, paid by the engine itself (it waits for them): the
     # prefill side's copy out of its pool and onto the transport, the decode side's copy off it into its
-    # pool. None: host_link_bandwidth (a GPU pool's blocks cross PCIe each way). `calibrate` measures both.
+    # pool. `calibrate` measures both on the CPU. None: free to the engines, as the GPU presets assume
+    # (device-to-device transfers overlapped with the steps; iterserve's own GPU path, through the host,
+    # is not measured).
     kv_send_bandwidth: float | None = None
     kv_receive_bandwidth: float | None = None
     reserved_bytes: int = GiB  # runtime context, CUDA graphs, allocator slack
     kind: str = "gpu"  # "cpu": the KV pool is sized from kv_cache_memory, as the CPU engine does
-
-    @property
-    def kv_send_bytes_per_s(self) -> float:
-        return self.kv_send_bandwidth or self.host_link_bandwidth
-
-    @property
-    def kv_receive_bytes_per_s(self) -> float:
-        return self.kv_receive_bandwidth or self.host_link_bandwidth
 
     @property
     def kv_mem_efficiency(self) -> float:
