@@ -115,7 +115,8 @@ def test_neighbour_flag_takes_one_point_and_a_dead_neighbour_is_named(tmp_path, 
 
 
 def test_kv_handoff_is_timed_through_the_shared_memory_transport():
-    """The runner's own block copies and the shm connector, on a small pool: the blocks arrive intact."""
+    """The runner's own block read and the shm connector, to a second process that writes the blocks
+    into a pool of its own: both directions are timed."""
     import torch
 
     from iterserve.sim.calibrate import measure_kv_handoff
@@ -123,16 +124,12 @@ def test_kv_handoff_is_timed_through_the_shared_memory_transport():
     class Runner:
         block_size = 16
         pool = torch.randn(2, 2, 8, 16, 1, 4)
-        written: list = []
+        reads = 0
 
         def read_blocks(self, ids):
+            Runner.reads += 1
             return self.pool[:, :, ids].clone()
 
-        def write_blocks(self, ids, blocks):
-            self.written.append((ids, blocks.clone()))
-
-    runner = Runner()
-    send, receive = measure_kv_handoff(runner, tokens=64, reps=2)
+    send, receive = measure_kv_handoff(Runner(), tokens=64, reps=2)
     assert send > 0 and receive > 0
-    ids, blocks = runner.written[-1]
-    assert ids == [0, 1, 2, 3] and torch.equal(blocks, runner.pool[:, :, :4])
+    assert Runner.reads == 3  # a warm-up round, then two timed
