@@ -42,7 +42,7 @@ from iterserve.engine import Engine
 from iterserve.model.loader import default_model_path, load_tokenizer
 from iterserve.outputs import StepRecord
 from iterserve.router.policy import POLICIES, make_router
-from iterserve.sim.cli import make_engine, resolve
+from iterserve.sim.cli import make_engine, resolve_cpu_profile
 from iterserve.sim.cluster import SharedHost, run_cluster
 
 MODEL_NAME = "multi-tenant"
@@ -86,13 +86,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "num_threads": args.num_threads}
 
 
-def prefix_totals(url: str) -> tuple[int, int]:
-    """(prompt tokens looked up, of those found cached), summed over the replicas' latest reports."""
-    stats = httpx.get(f"{url}/health", timeout=30).json()["replicas"].values()
-    return sum(s["num_prefix_queries"] for s in stats), sum(s["num_prefix_hits"] for s in stats)
+def replica_reports(url: str) -> dict[str, dict]:
+    """Each replica's latest report (EngineReplica.record_routing_stats), by replica id."""
+    return httpx.get(f"{url}/health", timeout=30).json()["replicas"]
 
 
-def ttft_sums(url: str) -> dict[str, tuple[float, int]]:
+def prefix_totals(reports: dict[str, dict]) -> tuple[int, int]:
+    """(prompt tokens looked up, of those found cached), summed over the replicas' reports."""
+    return (sum(s["num_prefix_queries"] for s in reports.values()),
+            sum(s["num_prefix_hits"] for s in reports.values()))
+
+
+def ttft_sums(url: str, reports: dict[str, dict]) -> dict[str, tuple[float, int]]:
     """(sum of TTFTs, requests) so far, as the ingress measured them (its /metrics histogram) and as the
     replicas did (from a call's start there to its first token leaving): what lies between the client's
     TTFT and those two is the hops'."""
@@ -104,9 +109,9 @@ def ttft_sums(url: str) -> dict[str, tuple[float, int]]:
                 ingress[0] += s.value
             elif s.name == "iterserve:time_to_first_token_seconds_count":
                 ingress[1] += int(s.value)
-    stats = httpx.get(f"{url}/health", timeout=30).json()["replicas"].values()
     return {"ingress": (ingress[0], ingress[1]),
-            "replica": (sum(s["ttft_sum_s"] for s in stats), sum(s["num_first_tokens"] for s in stats))}
+            "replica": (sum(s["ttft_sum_s"] for s in reports.values()),
+                        sum(s["num_first_tokens"] for s in reports.values()))}
 
 
 def serving_cpu_seconds() -> tuple[float, dict[int, float]]:
@@ -186,21 +191,21 @@ def real_run(args: argparse.Namespace, trace, policy: str, port: int) -> dict:
         url = f"http://127.0.0.1:{port}"
         warm_up(url, args.replicas)
         time.sleep(3 * args.stats_period)  # the replicas' reports arrive on Ray's stats poll
-        queries0, hits0 = prefix_totals(url)
-        ttft0 = ttft_sums(url)
+        health0 = replica_reports(url)
+        queries0, hits0 = prefix_totals(health0)
+        ttft0 = ttft_sums(url, health0)
         (frontend0, replica_cpu0), steal0, start = serving_cpu_seconds(), steal_ticks(), time.monotonic()
-        health0 = httpx.get(f"{url}/health", timeout=30).json()["replicas"]
         result = run_http(trace, url, MODEL_NAME)
         frontend1, replica_cpu1 = serving_cpu_seconds()
         wall_s = time.monotonic() - start
         steal = [b - a for a, b in zip(steal0, steal_ticks())]
         expected = queries0 + sum(r.prompt_len for r in trace.requests)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and prefix_totals(url)[0] < expected:
+        while time.monotonic() < deadline and prefix_totals(replica_reports(url))[0] < expected:
             time.sleep(0.2)
-        queries, hits = prefix_totals(url)
-        ttft1 = ttft_sums(url)
-        health1 = httpx.get(f"{url}/health", timeout=30).json()["replicas"]
+        health1 = replica_reports(url)
+        queries, hits = prefix_totals(health1)
+        ttft1 = ttft_sums(url, health1)
         hops = {f"ttft_mean_{where}_s": (ttft1[where][0] - ttft0[where][0]) / max(1, ttft1[where][1] - ttft0[where][1])
                 for where in ttft1}
         rate = (hits - hits0) / (queries - queries0) if queries > queries0 else 0.0
@@ -230,8 +235,7 @@ def simulated_run(args: argparse.Namespace, trace, policy: str, background_cores
     """The simulator's replicas, each step priced by the calibrated profile; with background_cores, all on
     one host of this machine's cores beside that much other work (SharedHost). Its router reads the
     replicas' loads every --stats-period seconds, as the real one reads their polled reports."""
-    model, hw = resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=args.hardware_profile,
-                                           dtype_bytes=None, model=args.model))
+    model, hw = resolve_cpu_profile(args.hardware_profile, args.model)
     config = EngineConfig(**{**engine_kwargs(args), "model": None})
     engines = [make_engine(config, model, hw) for _ in range(args.replicas)]
     host = None if background_cores is None else SharedHost(len(os.sched_getaffinity(0)), args.num_threads,
@@ -247,8 +251,7 @@ def print_checks(args: argparse.Namespace, trace, rows: dict) -> None:
     (sim-engine) priced by the same profile: their in-step time is the price, their gaps are zero."""
     from iterserve.sim.cost_model import CostModel
     from iterserve.sim.step_check import check_steps, format_check, shapes_from_records
-    cost = CostModel(*resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=args.hardware_profile,
-                                                 dtype_bytes=None, model=args.model)))
+    cost = CostModel(*resolve_cpu_profile(args.hardware_profile, args.model))
     sim_prompt_lens = {r.request_id: r.prompt_len for r in trace.requests}
     for policy, r in rows.items():
         real = r["real"]

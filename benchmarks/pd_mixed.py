@@ -216,8 +216,8 @@ def host_time(trace, probes: dict) -> dict[str, float]:
 
 def sim_spec(path: str):
     """(model spec, hardware spec) of a cpu-local profile."""
-    from iterserve.sim.cli import resolve
-    return resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=path, dtype_bytes=None, model=None))
+    from iterserve.sim.cli import resolve_cpu_profile
+    return resolve_cpu_profile(path)
 
 
 def print_checks(args, trace, probes: dict, sim_steps: dict) -> None:

@@ -141,13 +141,9 @@ def simulated_system(engine):
         return None
     if engine.config.speculative_config.speculative_method is not None:
         return None  # the simulator does not model draft acceptance
-    import argparse
-
-    from iterserve.sim.cli import resolve
+    from iterserve.sim.cli import resolve_cpu_profile
     try:
-        model = engine.config.model_config.model
-        return resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=None, dtype_bytes=None,
-                                          model=model if model else None))
+        return resolve_cpu_profile(model=engine.config.model_config.model or None)
     except (ValueError, OSError) as exc:
         logger.info("diagnostics: no simulator model of this deployment (%s); SLO misses get no what-if", exc)
         return None

@@ -44,6 +44,12 @@ def resolve(args: argparse.Namespace):
     return get_model_spec(name, dtype_bytes), hw
 
 
+def resolve_cpu_profile(profile: str | None = None, model: str | None = None):
+    """(model spec, hardware spec) of a cpu-local profile (default: calibrate's), for code that is not
+    the command line: the benchmarks that check the simulator against real runs, the dashboard."""
+    return resolve(argparse.Namespace(hardware="cpu-local", hardware_profile=profile, dtype_bytes=None, model=model))
+
+
 def _profile_dtype_bytes(args: argparse.Namespace) -> int | None:
     from iterserve.sim.hardware import default_cpu_profile_path
     path = args.hardware_profile or default_cpu_profile_path()
