@@ -459,11 +459,9 @@ def setup_peers(args: argparse.Namespace, model: Path, skip: set[str]) -> dict:
 
 
 def iterserve_kv_bytes_per_token(model: str) -> int:
-    import torch
-
-    from iterserve.executor.model_runner import pick_device, pick_dtype
+    from iterserve.executor.model_runner import pick_device, storage_dtype
     from iterserve.sim.model_spec import get_model_spec
-    elem = torch.tensor([], dtype=pick_dtype("auto", pick_device("cpu"))).element_size()
+    elem = storage_dtype("auto", pick_device("cpu")).itemsize
     return get_model_spec(model, elem).kv_bytes_per_token
 
 

@@ -182,7 +182,7 @@ def phase_child(args: argparse.Namespace) -> None:
     t = mark("import torch", t0)
 
     from iterserve.config import EngineConfig
-    from iterserve.executor.model_runner import ModelRunner, pick_device, pick_dtype
+    from iterserve.executor.model_runner import ModelRunner, pick_device, storage_dtype
     from iterserve.model import weight_cache
     from iterserve.model.loader import default_model_path
     from iterserve.sampling_params import SamplingParams
@@ -193,7 +193,7 @@ def phase_child(args: argparse.Namespace) -> None:
     config = EngineConfig(model=path)
     tokenizer = weight_cache.load_tokenizer(path)
     t = mark(f"tokenizer ({type(tokenizer).__name__})", t)
-    arch, weights = weight_cache.load_arch_and_weights(path, pick_dtype("auto", pick_device("auto")))
+    arch, weights = weight_cache.load_arch_and_weights(path, storage_dtype("auto", pick_device("auto")))
     loaded = {"weights": weights}
     del weights
     t = mark("arch + weights (GGUF dequantize, or cache read)", t)

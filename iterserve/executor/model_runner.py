@@ -28,7 +28,7 @@ from iterserve.executor.sampler import make_batch, prompt_logprobs, sample, veri
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model import weight_cache
-from iterserve.model.cpu_kernels import cpu_has_bf16
+from iterserve.model.cpu_kernels import cpu_has_bf16, linear_kernel
 from iterserve.model.loader import ModelArch, default_model_path
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
@@ -49,9 +49,30 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The arithmetic's dtype (activations, logits)."""
+    if name == "bf16-storage":
+        return torch.float32
     if name != "auto":
         return _DTYPES[name]
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+
+
+def storage_dtype(name: str, device: torch.device, quantization: str | None = None) -> torch.dtype:
+    """The dtype the weights and the KV cache are kept in: the arithmetic's, except under bf16-storage
+    (asked for, or `auto` on a CPU without bf16 instructions), where bfloat16 halves the bytes every step
+    streams while the panel kernel widens them in registers for float32 arithmetic."""
+    compute = pick_dtype(name, device)
+    if name == "bf16-storage":
+        if device.type != "cpu" or linear_kernel() is None:
+            raise ValueError("--dtype bf16-storage needs the CPU's AVX-512 linear kernel (cpu_linear.cpp); "
+                             "use --dtype float32 or bfloat16 here")
+        if quantization is not None:
+            raise ValueError("--dtype bf16-storage keeps float weights; with --quantization use --dtype float32")
+        return torch.bfloat16
+    if name == "auto" and compute == torch.float32 and device.type == "cpu" and quantization is None and \
+            linear_kernel() is not None:
+        return torch.bfloat16
+    return compute
 
 
 def kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype, attention: str) -> str:
@@ -75,21 +96,22 @@ def eos_token_ids(arch: ModelArch, tokenizer) -> frozenset[int]:
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch | None = None,
                  weights: dict[str, torch.Tensor] | None = None, tokenizer=None, tp=None):
-        """Loads config.model. Or, given arch and weights (HF names, already on the device in
-        the runner's dtype), builds from memory with no file: benchmarks run random-weight models
+        """Loads config.model. Or, given arch and weights (HF names, already on the device, in
+        float32 or bfloat16 under a float32 runner, else in the runner's dtype), builds from memory with no file: benchmarks run random-weight models
         of any shape that way (tokenizer None: prompts must be token ids). Under tensor parallelism
         (executor/tp_executor.py) each rank builds one from its shard, with its collectives as `tp`."""
         self.config = config
         mc, cc = config.model_config, config.cache_config
         self.device = pick_device(mc.device)
         self.dtype = pick_dtype(mc.dtype, self.device)
+        self.storage_dtype = storage_dtype(mc.dtype, self.device, mc.quantization)
         if self.device.type == "cpu":
             torch.set_num_threads(mc.num_threads or os.cpu_count() or 1)
         pending_tokenizer = None
         if weights is None:
             path = mc.model or default_model_path()
             pending_tokenizer = _load_tokenizer_aside(path)
-            arch, weights = weight_cache.load_arch_and_weights(path, self.dtype, self.device)
+            arch, weights = weight_cache.load_arch_and_weights(path, self.storage_dtype, self.device)
         assert arch is not None, "weights given without their arch"
         self.arch = cfg = arch
         self.vocab_size = cfg.vocab_size
@@ -99,12 +121,13 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len or cfg.max_position_embeddings
         self.block_size = cc.block_size
         self.model = LlamaModel(cfg, weights, cc.block_size, max_positions=cfg.max_position_embeddings,
-                                quantization=mc.quantization, tp=tp)
+                                quantization=mc.quantization, tp=tp, dtype=self.dtype)
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
+        self.storage_dtype = self.model.weight_dtype  # given weights come as the caller made them
         self.tokenizer = tokenizer if pending_tokenizer is None else pending_tokenizer.result()
         self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
         weight_cache.release_load_buffers()  # after the tokenizer: a cold one leaves the GGUF conversion's garbage
-        self.kv_dtype = kv_dtype_name(cc.kv_cache_dtype, self.dtype, self.model.attention.name)
+        self.kv_dtype = kv_dtype_name(cc.kv_cache_dtype, self.storage_dtype, self.model.attention.name)
         self.kv_cache_spec = KVCacheSpec(cc.block_size, 1, 0, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                          self.kv_dtype)
         num_kv_blocks = self._num_kv_blocks(self.kv_cache_spec.bytes_per_block)
@@ -214,7 +237,7 @@ class ModelRunner:
         c = self.arch
         width = kv_head_width(c.head_dim, self.kv_dtype)  # an int8 pool's rows carry their scales
         shape = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, width)
-        dtype = torch.int8 if self.kv_dtype == "int8" else self.dtype
+        dtype = torch.int8 if self.kv_dtype == "int8" else self.storage_dtype
         if device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=device)
         return _lazy_zeros(shape, dtype)

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 from iterserve.config import EngineConfig
 from iterserve.executor.base import ExecutorDeadError
-from iterserve.executor.model_runner import ModelRunner, eos_token_ids, pick_device, pick_dtype
+from iterserve.executor.model_runner import ModelRunner, eos_token_ids, pick_device, storage_dtype
 from iterserve.model.loader import default_model_path, load_model_arch, load_tokenizer, load_weights
 from iterserve.model.sharding import TensorParallel, check_tp_size, lm_head, rank_arch, shard_weights
 from iterserve.scheduler.output import SchedulerOutput, StepResult
@@ -237,7 +237,8 @@ def build_rank(rank: int, n: int, config: EngineConfig, port: int) -> ModelRunne
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=n)
     path = mc.model or default_model_path()
     arch = load_model_arch(path)
-    full = load_weights(path, arch, pick_dtype(mc.dtype, device), "cpu")  # sliced on the host: one shard each on the device
+    # sliced on the host: one shard each on the device
+    full = load_weights(path, arch, storage_dtype(mc.dtype, device, mc.quantization), "cpu")
     shard = {k: v.to(device) for k, v in shard_weights(full, arch, rank, n).items()}
     tp = TensorParallel(rank, n, vocab_size=lm_head(full, arch).shape[0])
     del full

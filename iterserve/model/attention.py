@@ -16,6 +16,9 @@ A windowed layer (ModelArch.sliding_window) masks the positions a query is `wind
 the C++ decode kernel does not read the blocks wholly behind it. Gemma 2's score soft-capping
 (cap * tanh(s / cap)) goes through the same kernels, or an explicit masked softmax in torch.
 
+A bfloat16 cache under float32 arithmetic (--dtype bf16-storage) is read the same way as an int8 one:
+rounded as it is written, widened where it is read.
+
 An int8 cache (--kv-cache-dtype int8, layout in kv_quant.py) is quantized as it is written. The C++
 decode kernel reads its int8 rows and scales in place; the torch gather dequantizes the gathered
 context; prompt rows dequantize their sequence's blocks, their own new K/V included, so that a
@@ -140,6 +143,8 @@ def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_m
         return write(layer_cache[0], layer_cache[1], k, v, slot_mapping)
     if quantized:
         k, v = quantize_kv(k), quantize_kv(v)
+    elif k.dtype != layer_cache.dtype:  # bf16-storage: rounded once, here
+        k, v = k.to(layer_cache.dtype), v.to(layer_cache.dtype)
     _, nblk, bs, hkv, d = layer_cache.shape
     layer_cache[0].view(nblk * bs, hkv, d).index_copy_(0, slot_mapping, k)
     layer_cache[1].view(nblk * bs, hkv, d).index_copy_(0, slot_mapping, v)
@@ -185,6 +190,8 @@ def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, sca
     torch.index_select(layer_cache[1].view(-1, width), 0, rows, out=ctx[1].view(-1, width))
     if layer_cache.dtype == torch.int8:  # the reference path: this step's context only, widened
         ctx = dequantize_kv(ctx, q.dtype)
+    elif ctx.dtype != q.dtype:
+        ctx = ctx.to(q.dtype)
     qg = q.view(b, hkv, g, d)  # query heads sharing one kv head become rows of one matmul
     scores = torch.matmul(qg, ctx[0].transpose(-1, -2)).mul_(scale)  # [B, Hkv, G, L]
     if softcap:
@@ -206,7 +213,7 @@ def _window_bias(plan: AttentionPlan, window: int) -> torch.Tensor:
 
 def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
             p: PromptSeq, scale: float, plan: AttentionPlan, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    if not p.fresh or layer_cache.dtype == torch.int8:
+    if not p.fresh or layer_cache.dtype != q.dtype:
         k, v = _cached_context(layer_cache, p, q.dtype)
     if plan.kernels and not softcap and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
         return cpu_kernels.prompt_attention(q, k, v, scale, plan.num_threads, window)  # causal, bottom-right aligned
@@ -225,13 +232,14 @@ def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torc
 def _cached_context(layer_cache: torch.Tensor, p: PromptSeq, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequence's K, V [seq_len, Hkv, D] read through its block table (this step's were just
     written). An int8 cache's are dequantized, a fresh prompt's too: every query then sees the values
-    its later decodes and any prefix-cache hit will, whatever the batching."""
+    its later decodes and any prefix-cache hit will, whatever the batching. So is a bfloat16 cache
+    under float32 queries, widened."""
     hkv, width = layer_cache.shape[3:]
     # index_select copies whole blocks (memcpy); advanced indexing goes element by element (~8x slower)
     k, v = (layer_cache[i].index_select(0, p.block_table).view(-1, hkv, width)[: p.seq_len] for i in (0, 1))
     if layer_cache.dtype == torch.int8:
         return dequantize_kv(k, dtype), dequantize_kv(v, dtype)
-    return k, v
+    return k.to(dtype), v.to(dtype)
 
 
 def _masked_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: PromptSeq, scale: float, window: int,

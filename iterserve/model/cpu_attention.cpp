@@ -565,7 +565,7 @@ extern "C" {
 // [num_blocks, block_size, num_kv_heads, head_dim], contiguous; block_tables [num_seqs, table_stride]
 // int32; seq_lens [num_seqs] int32. window > 0: each query sees only the last `window` positions;
 // softcap > 0: scores = softcap * tanh(scores / softcap). Returns 0, or 1 for shapes it does not
-// handle. dtype: 0 float32, 1 bfloat16.
+// handle. dtype: 0 float32, 1 bfloat16, 2 float32 q and out over a bfloat16 cache (--dtype bf16-storage).
 int iterserve_decode_attention(int dtype, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                                const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
                                void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
@@ -573,6 +573,10 @@ int iterserve_decode_attention(int dtype, const void* q, int64_t q_stride, const
     if (dtype == 0)
         return decode<float, float>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs,
                                     num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
+    if (dtype == 2)
+        return decode<float, uint16_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out,
+                                       num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads,
+                                       window, softcap);
     return decode<uint16_t, uint16_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out,
                                       num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads,
                                       window, softcap);

@@ -36,6 +36,7 @@ LINEAR_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 PANEL = 32  # outputs per weight panel: cpu_linear.cpp's kPanel
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MIXED = 2  # the kernels' code for float32 activations over bfloat16 weights or K/V (--dtype bf16-storage)
 
 
 @functools.cache
@@ -149,6 +150,7 @@ class Ops:
     silu_mul: object
     argmax_rows: object
     write_kv: object
+    write_kv_bf16: object
     write_kv_int8: object
 
 
@@ -162,6 +164,7 @@ def elementwise_ops(extra_flags: tuple[str, ...] = ()) -> Ops | None:
            _bind(lib, "iterserve_silu_mul", [_i32, _p, _p, _i64, _i64]),
            _bind(lib, "iterserve_argmax_rows", [_i32, _p, _i64, _i64, _p]),
            _bind(lib, "iterserve_write_kv", [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
+           _bind(lib, "iterserve_write_kv_bf16", [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
            _bind(lib, "iterserve_write_kv_int8", [_i32, _p, _i64, _p, _i64, _p, _p, _p, _i64, _i32, _i32]))
     return Ops(*fns) if all(fns) else None
 
@@ -171,8 +174,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      softcap: float = 0.0) -> torch.Tensor:
     """q [B, H, D] (each row's heads contiguous, rows any stride: a view into qkv) -> out [B, H, D]
     contiguous; caches [num_blocks, block_size, Hkv, D], or int8 [..., D + 4] (kv_quant.py), read as
-    they are; tables/lens int32. window > 0: each query sees its last `window` positions only;
-    softcap > 0: scores = softcap * tanh(scores / softcap). kernel: the function of the cache's kind."""
+    they are, or bfloat16 under a float32 q; tables/lens int32. window > 0: each query sees its last
+    `window` positions only; softcap > 0: scores = softcap * tanh(scores / softcap). kernel: the
+    function of the cache's kind."""
     quantized = k_cache.dtype == torch.int8
     fn = kernel or (decode_attention_int8_kernel() if quantized else decode_attention_kernel())
     b, h, d = q.shape
@@ -182,8 +186,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert width == d + (SCALE_BYTES if quantized else 0) and v_cache.dtype == k_cache.dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    mixed = not quantized and k_cache.dtype != q.dtype
+    assert not mixed or (q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)
     out = q.new_empty(b, h, d)
-    rc = fn(DTYPES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+    rc = fn(MIXED if mixed else DTYPES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, scale, num_threads,
             window, softcap)
     if rc != 0:
@@ -249,10 +255,15 @@ def argmax_rows(x: torch.Tensor, ops: Ops | None = None) -> list[int]:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Caches [num_blocks, block_size, Hkv, D] contiguous; k/v [T, Hkv, D] with each row's heads
-    contiguous; slot_mapping [T] int64, negative = skip."""
+    contiguous, in the caches' dtype or float32 into bfloat16 ones (rounded to nearest even);
+    slot_mapping [T] int64, negative = skip."""
     t, hkv, d = k.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
     assert all(x.stride(1) == d and x.stride(2) == 1 for x in (k, v)) and slot_mapping.is_contiguous()
+    if k.dtype != k_cache.dtype:
+        assert k.dtype == v.dtype == torch.float32 and k_cache.dtype == v_cache.dtype == torch.bfloat16
+        return elementwise_ops().write_kv_bf16(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                               v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d)
     size = k.element_size()
     elementwise_ops().write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
                                v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d * size)
@@ -324,13 +335,15 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None, kernel=None) -> torch.Tensor:
     """x [M, K] (rows any stride) @ W^T (+ bias) -> [M, n] contiguous, W as pack_panels packed it; one dtype
-    throughout, float32 or bfloat16."""
+    throughout, float32 or bfloat16, or bfloat16 panels under float32 x, bias and y."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    assert panels.shape[1] == k and panels.is_contiguous() and x.dtype == panels.dtype
+    mixed = x.dtype != panels.dtype
+    assert panels.shape[1] == k and panels.is_contiguous()
+    assert not mixed or (x.dtype == torch.float32 and panels.dtype == torch.bfloat16)
     assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
     y = x.new_empty(m, n)
-    (kernel or linear_kernel())(DTYPES[x.dtype], x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(bias), y.data_ptr(),
+    (kernel or linear_kernel())(MIXED if mixed else DTYPES[x.dtype], x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(bias), y.data_ptr(),
                                 m, n, k, torch.get_num_threads())
     return y

@@ -8,9 +8,10 @@
 // a register tile; a larger batch goes tile by tile over each panel while it sits in L2, so the same
 // layout serves the compute-bound large batches too.
 //
-// float32, or bfloat16 throughout (x, weights, bias, y): bf16 values are widened in registers (a
-// 16-bit shift), summed in float32 and rounded once at the end, as torch's bf16 matmul does. On a CPU
-// without AVX-512 BF16 that halves the bytes a step reads, at float32's arithmetic cost.
+// float32, or bfloat16 throughout (x, weights, bias, y), or bfloat16 weights under float32 x, bias
+// and y (--dtype bf16-storage): bf16 values are widened in registers (a 16-bit shift), summed in
+// float32 and rounded once at the end, as torch's bf16 matmul does. On a CPU without AVX-512 BF16
+// that halves the bytes a step reads, at float32's arithmetic cost.
 //
 // AVX-512 only: iterserve_linear_supported() says whether this build has it; otherwise quant.py keeps
 // oneDNN's packed weights.
@@ -145,13 +146,16 @@ int iterserve_linear_supported() {
 #endif
 }
 
-// dtype of x, the panels, bias and y: 0 float32, 1 bfloat16. x rows ldx elements apart, y contiguous;
+// dtype of x, the panels, bias and y: 0 float32, 1 bfloat16; 2: bfloat16 panels, the rest float32. x rows ldx elements apart, y contiguous;
 // bias may be null. Returns 0, or -1 where this build cannot run it.
 int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, const void* bias, void* y,
                      int64_t M, int64_t N, int64_t K, int num_threads) {
 #if defined(__AVX512F__)
     if (dtype == 0)
         linear(static_cast<const float*>(x), ldx, static_cast<const float*>(panels), static_cast<const float*>(bias),
+               static_cast<float*>(y), M, N, K, num_threads);
+    else if (dtype == 2)
+        linear(static_cast<const float*>(x), ldx, static_cast<const uint16_t*>(panels), static_cast<const float*>(bias),
                static_cast<float*>(y), M, N, K, num_threads);
     else
         linear(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(panels),

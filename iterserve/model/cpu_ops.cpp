@@ -184,6 +184,20 @@ inline void write_kv(const char* k, int64_t k_stride, const char* v, int64_t v_s
     }
 }
 
+// write_kv from float32 rows into a bfloat16 cache (--dtype bf16-storage), rounded as torch rounds;
+// strides and row width in elements.
+inline void write_kv_bf16(const float* k, int64_t k_stride, const float* v, int64_t v_stride, uint16_t* k_cache,
+                          uint16_t* v_cache, const int64_t* slot_mapping, int64_t rows, int64_t row_elems) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = slot_mapping[r];
+        if (slot < 0) continue;
+        for (int64_t i = 0; i < row_elems; ++i) {
+            from_f32(k[r * k_stride + i], k_cache + slot * row_elems + i);
+            from_f32(v[r * v_stride + i], v_cache + slot * row_elems + i);
+        }
+    }
+}
+
 // One (token, kv head) into an int8 cache (--kv-cache-dtype int8, kv_quant.py): head_dim values
 // round(x / scale), scale = max(absmax / 127, FLT_MIN), then the scale's 4 bytes. The same float32
 // division and half-to-even rounding as torch's quantize_kv, so both write the same bytes.
@@ -229,6 +243,12 @@ void iterserve_write_kv(const void* k, int64_t k_stride, const void* v, int64_t 
                         void* v_cache, const int64_t* slot_mapping, int64_t rows, int64_t row_bytes) {
     write_kv(static_cast<const char*>(k), k_stride, static_cast<const char*>(v), v_stride, static_cast<char*>(k_cache),
              static_cast<char*>(v_cache), slot_mapping, rows, row_bytes);
+}
+
+void iterserve_write_kv_bf16(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* k_cache,
+                             void* v_cache, const int64_t* slot_mapping, int64_t rows, int64_t row_elems) {
+    write_kv_bf16(static_cast<const float*>(k), k_stride, static_cast<const float*>(v), v_stride,
+                  static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), slot_mapping, rows, row_elems);
 }
 
 // Strides in elements; dtype of k/v as below; caches int8 [slots, heads, head_dim + 4].

@@ -20,7 +20,7 @@ from iterserve.model import cpu_kernels
 from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.loader import ModelArch
-from iterserve.model.quant import Weight, check_supported, linear, pack_float, quantize
+from iterserve.model.quant import PanelWeight, Weight, check_supported, linear, pack_float, quantize
 
 
 @dataclass(slots=True)
@@ -84,12 +84,21 @@ def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, cfg: ModelArch, weights: dict[str, torch.Tensor], block_size: int,
-                 max_positions: int | None = None, quantization: str | None = None, tp=None):
+                 max_positions: int | None = None, quantization: str | None = None, tp=None,
+                 dtype: torch.dtype | None = None):
         """tp: a rank's collectives under tensor parallelism (model/sharding.py TensorParallel): cfg and
-        weights are then that rank's shard, and the o/down outputs and the logits cross ranks."""
+        weights are then that rank's shard, and the o/down outputs and the logits cross ranks.
+        dtype: the arithmetic's, where it differs from the weights' (--dtype bf16-storage: bfloat16
+        weights read by the CPU panel kernel under float32 activations); default: the weights'."""
         self.cfg, self.block_size, self.tp = cfg, block_size, tp
         w = weights
-        self.dtype, self.device = w["model.embed_tokens.weight"].dtype, w["model.embed_tokens.weight"].device
+        embed = w["model.embed_tokens.weight"]
+        self.dtype, self.device = dtype or embed.dtype, embed.device
+        self.mixed = self.dtype != embed.dtype
+        self.weight_dtype = embed.dtype
+        if self.mixed and (quantization is not None or self.dtype != torch.float32 or embed.dtype != torch.bfloat16):
+            raise ValueError(f"float32 arithmetic over bfloat16 weights only, without --quantization; got "
+                             f"{embed.dtype} weights, {self.dtype} arithmetic, quantization {quantization}")
         n = max_positions or cfg.max_position_embeddings
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
@@ -107,14 +116,18 @@ class LlamaModel:
         self.rope_tables = [(c.to(self.device, self.dtype), s.to(self.device, self.dtype)) for c, s in self.rope_tables]
         if quantization is not None:
             check_supported(quantization, self.device)
-        pack = (lambda t: quantize(t, quantization)) if quantization else pack_float  # noqa: E731
+        pack = (lambda t: quantize(t, quantization)) if quantization else \
+            (lambda t: pack_float(t, panels=self.mixed))  # noqa: E731
         # each layer packed as soon as it is built: its fused float copies go before the next layer's come
         self.layers = [self._pack_layer(self._layer(w, i, window), pack) for i in range(cfg.num_layers)]
         # the embedding stays a plain tensor for lookups; the LM head (tied or not) is packed apart
+        tied = self.lm_head is self.embed
         if quantization is not None:
             self.lm_head = quantize(self.lm_head, "int8")  # int8 in both modes, as the GGUF keeps it Q8_0
         else:
-            self.lm_head = pack_float(self.lm_head)
+            self.lm_head = pack_float(self.lm_head, panels=self.mixed)
+        if tied and isinstance(self.lm_head, PanelWeight):
+            self.embed = None  # lookups read the tied head's panels: the vocabulary's rows held once, not twice
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.attention = attention_backend(self.device, block_size, self.dtype)  # torch or triton
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -124,7 +137,11 @@ class LlamaModel:
         self.silu = cfg.hidden_act == "silu"  # else gelu_tanh
 
     def _norm_weight(self, weight: torch.Tensor | None) -> torch.Tensor | None:
-        return weight if weight is None or not self.cfg.norm_weight_offset else weight + self.cfg.norm_weight_offset
+        """A norm's weight in the arithmetic's dtype (the fused kernels take one dtype), offset where the family does."""
+        if weight is None:
+            return None
+        weight = weight.to(self.dtype)
+        return weight + self.cfg.norm_weight_offset if self.cfg.norm_weight_offset else weight
 
     def _layer(self, w: dict[str, torch.Tensor], i: int, window: int) -> LayerWeights:
         # weights stay [out, in]: a pre-transposed [in, out] copy used as x @ W was no faster on CPU
@@ -133,7 +150,7 @@ class LlamaModel:
         a, m = p + "self_attn.", p + "mlp."
         bias = None
         if cfg.attention_bias:
-            bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+            bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]).to(self.dtype)
         norms = {"pre": ("input_layernorm", None, "post_attention_layernorm", None),
                  "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                               "post_feedforward_layernorm"),
@@ -146,7 +163,7 @@ class LlamaModel:
             o = o * cfg.residual_multiplier
         gate_up = down = router = experts = None
         if cfg.num_experts and (not cfg.moe_layers or cfg.moe_layers[i]):
-            router = w[m + "gate.weight"]
+            router = w[m + "gate.weight"].to(self.dtype)
             experts = [self._mlp_weights(w, f"{m}experts.{j}.") for j in range(cfg.num_experts)]
         else:
             gate_up, down = self._mlp_weights(w, m)
@@ -183,7 +200,7 @@ class LlamaModel:
         model's dtype (the sampler widens them where it needs to: a greedy batch takes argmax as is)."""
         plan = self.attention.prepare(attn_metadata)
         cos_sin = None if self.cpu_ops else [(c[positions], s[positions]) for c, s in self.rope_tables]
-        x, delta = F.embedding(input_ids, self.embed), None
+        x, delta = self._embed(input_ids), None
         if self.embed_scale is not None:
             x = x * self.embed_scale
         for i, layer in enumerate(self.layers):
@@ -198,6 +215,15 @@ class LlamaModel:
         return logits
 
     __call__ = forward
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The rows of input_ids, in the arithmetic's dtype: from the embedding, or gathered from the tied
+        head's panels (row n is column n % PANEL of panel n // PANEL)."""
+        if self.embed is not None:
+            x = F.embedding(input_ids, self.embed)
+        else:
+            x = self.lm_head.panels[input_ids // cpu_kernels.PANEL, :, input_ids % cpu_kernels.PANEL]
+        return x.to(self.dtype)
 
     def _layer_forward(self, x, delta, layer: LayerWeights, layer_cache, plan, positions, cos_sin):
         """x: the residual stream; delta: the last layer's MLP output, not yet added to it (the add is

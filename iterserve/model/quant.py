@@ -142,12 +142,13 @@ def panel_dtype(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_kernels.cpu_has_bf16())
 
 
-def pack_float(w: torch.Tensor) -> Weight:
+def pack_float(w: torch.Tensor, panels: bool = False) -> Weight:
     """The C++ kernel's panels or oneDNN's layout for a float CPU weight (see the top), or the weight
-    itself where neither can take it."""
+    itself where neither can take it. panels: the kernel's panels whatever the CPU (bfloat16 weights
+    under float32 activations: only that kernel takes them; the caller checked it builds)."""
     if w.device.type != "cpu":
         return w
-    if panel_dtype(w.dtype) and cpu_kernels.linear_kernel() is not None:
+    if panels or (panel_dtype(w.dtype) and cpu_kernels.linear_kernel() is not None):
         return PanelWeight(cpu_kernels.pack_panels(w), w.shape)
     if not torch.backends.mkldnn.is_available():
         return w

@@ -430,11 +430,11 @@ def _calibrate(model_path: str | None, runner_kwargs: dict, reps: int, points: l
     print(f"  matmul {flops['float32'] / 1e9:.1f} GFLOP/s fp32, {flops['bfloat16'] / 1e9:.1f} GFLOP/s bf16; "
           f"memory {bw / 1e9:.1f} GB/s", flush=True)
     runner = ModelRunner(EngineConfig(**runner_kwargs))  # one point's requests at a time
-    elem = torch.tensor([], dtype=runner.dtype).element_size()
+    elem = runner.storage_dtype.itemsize  # the weights' and the KV's bytes
     spec = get_model_spec(path, elem)
     rows = measure_steps(runner, points, reps)
     base = HardwareSpec("cpu-local", memory_bytes=_total_memory(), mem_bandwidth=bw,
-                        peak_flops=flops["bfloat16" if elem == 2 else "float32"], reserved_bytes=0, kind="cpu",
+                        peak_flops=flops["bfloat16" if runner.dtype == torch.bfloat16 else "float32"], reserved_bytes=0, kind="cpu",
                         interconnect_bandwidth=bw, host_link_bandwidth=bw, fused_attention=False)
     hw, err = fit_profile(spec, base, rows)
     host_fixed, host_seq = measure_host_overhead(runner.tokenizer, [1, 8, 32])
@@ -505,9 +505,8 @@ def _real_kv_blocks(kw: dict) -> int:
     from iterserve.config import parse_bytes
     from iterserve.model.loader import default_model_path
     from iterserve.sim.model_spec import get_model_spec, with_kv_cache_dtype
-    import torch
-    from iterserve.executor.model_runner import pick_device, pick_dtype
-    elem = torch.tensor([], dtype=pick_dtype(kw.get("dtype", "auto"), pick_device("auto"))).element_size()
+    from iterserve.executor.model_runner import pick_device, storage_dtype
+    elem = storage_dtype(kw.get("dtype", "auto"), pick_device("auto"), kw.get("quantization")).itemsize
     spec = with_kv_cache_dtype(get_model_spec(kw.get("model") or default_model_path(), elem),
                                kw.get("kv_cache_dtype", "auto"))
     block = kw.get("block_size", 16) * spec.kv_bytes_per_token

@@ -133,3 +133,36 @@ def test_attributes(runner):
     assert 2 in runner.eos_token_ids and runner.max_model_len == 8192 and runner.vocab_size == 49152
     assert runner.dtype == torch.float32 and runner.device.type == "cpu"
     assert runner.kv_cache.shape == (30, 2, 128, BS, 3, 64)
+
+
+def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(runner):
+    """The default on a CPU without bf16 instructions (where the kernels build): half float32's bytes
+    per step and per cached token, float32 arithmetic; greedy tokens as the float32 runner's here."""
+    from iterserve.executor.model_runner import storage_dtype
+    from iterserve.model import cpu_kernels
+    from iterserve.model.quant import PanelWeight
+    if cpu_kernels.linear_kernel() is None:
+        pytest.skip("cpu_linear.cpp not built here")
+    mixed = ModelRunner(EngineConfig(dtype="bf16-storage", num_kv_blocks=128, block_size=BS, num_threads=1))
+    assert mixed.dtype == torch.float32 and mixed.storage_dtype == torch.bfloat16
+    assert mixed.kv_cache.dtype == torch.bfloat16 and mixed.kv_cache_spec.dtype == "bfloat16"
+    assert mixed.kv_cache_spec.bytes_per_block * 2 == runner.kv_cache_spec.bytes_per_block
+    qkv = mixed.model.layers[0].qkv
+    assert isinstance(qkv, PanelWeight) and qkv.panels.dtype == torch.bfloat16
+    cpu = torch.device("cpu")
+    want = torch.float32 if cpu_kernels.cpu_has_bf16() else torch.bfloat16
+    assert storage_dtype("auto", cpu) == want and storage_dtype("auto", cpu, "int8") == torch.float32
+    with pytest.raises(ValueError, match="quantization"):
+        storage_dtype("bf16-storage", cpu, "int4")
+    prompt = list(range(100, 140))
+
+    def greedy(r):
+        tokens, blocks = list(prompt), list(range(-(-(len(prompt) + 8) // BS)))
+        for i in range(8):
+            start = 0 if i == 0 else len(tokens) - 1
+            plan = SchedulerOutput(block_size=BS, scheduled=[ScheduledRequest(
+                "g", tokens[start:], start, blocks, True, SamplingParams(temperature=0))])
+            tokens.append(r.execute(plan).sampled[0])
+        return tokens[len(prompt):]
+
+    assert greedy(mixed) == greedy(runner)

@@ -31,7 +31,8 @@ def decode_step(cache, seq_lens, tables, dtype, workspace=None, prompt_len=0, us
     lens = seq_lens + ([prompt_len] if prompt_len else [])
     tabs = tables + ([[len(cache[0]) - 1 - i for i in range(-(-prompt_len // BS))]] if prompt_len else [])
     hkv, d = cache.shape[-2:]
-    full = [(torch.randn(s, hkv, d, dtype=dtype), torch.randn(s, hkv, d, dtype=dtype)) for s in lens]
+    rnd = lambda s: torch.randn(s, hkv, d, dtype=dtype).to(cache.dtype).to(dtype)  # noqa: E731  # what the cache holds
+    full = [(rnd(s), rnd(s)) for s in lens]
     slots, starts = [], [0]
     for (k, v), s, q, t in zip(full, lens, q_lens, tabs):
         for p in range(s - q):
@@ -108,6 +109,26 @@ def test_kernel_reads_scattered_blocks_in_place(head_dim, dtype, tol, prompt_len
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("prompt_len", [0, 6])
+def test_bfloat16_cache_under_float32_queries(use_kernel, head_dim, prompt_len):
+    """bf16-storage: float32 queries over a bf16 cache, this step's K/V rounded as written, read widened."""
+    if use_kernel and cpu_kernels.decode_attention_kernel() is None:
+        pytest.skip("no C++ compiler here")
+    torch.manual_seed(4)
+    cache = torch.zeros(2, 64, BS, HKV, head_dim, dtype=torch.bfloat16)
+    perm = torch.randperm(60).tolist()
+    seq_lens = [1, 5, 13, 16, 17, 40]
+    tables, used = [], 0
+    for n in seq_lens:
+        tables.append(perm[used: used + -(-n // BS)])
+        used += len(tables[-1])
+    out, want = decode_step(cache, seq_lens, tables, torch.float32, prompt_len=prompt_len, use_kernel=use_kernel)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 @needs_kernel
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (16, 2), (4, 4), (8, 1)])  # the P.V pass tiles query heads
@@ -181,13 +202,15 @@ def test_kernel_rejects_shapes_it_does_not_handle():
 
 @needs_kernel
 @pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)])  # the paths other CPUs take
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_kernel_builds_without_avx512_bf16_or_avx512_and_agrees(flags, dtype, tol):
+@pytest.mark.parametrize("dtype,cache_dtype,tol", [(torch.float32, torch.float32, 1e-5),
+                                                   (torch.bfloat16, torch.bfloat16, 2e-2),
+                                                   (torch.float32, torch.bfloat16, 1e-5)])
+def test_kernel_builds_without_avx512_bf16_or_avx512_and_agrees(flags, dtype, cache_dtype, tol):
     kernel = cpu_kernels.decode_attention_kernel(flags)
     assert kernel is not None
     torch.manual_seed(3)
     q = torch.randn(5, H, 64, dtype=dtype)
-    cache = torch.randn(2, 40, BS, HKV, 64, dtype=dtype)
+    cache = torch.randn(2, 40, BS, HKV, 64, dtype=cache_dtype)
     tables = torch.randperm(40).to(torch.int32).view(5, 8).contiguous()
     seq_lens = torch.tensor([1, 7, 16, 17, 32], dtype=torch.int32)
     got = cpu_kernels.decode_attention(q, cache[0], cache[1], tables, seq_lens, 0.35, 2, kernel=kernel)

@@ -58,6 +58,24 @@ def test_bfloat16_is_summed_in_float32_and_rounded_once(m, n, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_bfloat16_panels_under_float32_activations(m, n, k):
+    """bf16-storage: bf16 weights widened exactly, float32 x, bias and y: F.linear on the widened weights."""
+    torch.manual_seed(7 * m + n + k)
+    w, bias = torch.randn(n, k).bfloat16(), torch.randn(n)
+    x = torch.randn(m, 3, k)[:, 1]
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.dtype == torch.bfloat16
+    for b in (None, bias):
+        got = cpu_kernels.linear(x, panels, n, b)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        torch.testing.assert_close(got, F.linear(x, w.float(), b), atol=1e-5 * k ** 0.5, rtol=1e-5)
+    packed = pack_float(w, panels=True)
+    assert isinstance(packed, PanelWeight) and packed.panels.dtype == torch.bfloat16
+    torch.testing.assert_close(linear(x, packed, bias), F.linear(x, w.float(), bias), atol=1e-5 * k ** 0.5, rtol=1e-5)
+
+
+@needs_kernel
 def test_pack_float_takes_panels_for_float32_and_the_model_uses_them():
     w = torch.randn(96, 64)
     packed = pack_float(w)

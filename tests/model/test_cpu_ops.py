@@ -100,16 +100,18 @@ def test_argmax_rows_takes_the_first_maximum_like_torch(dtype, flags):
 
 
 @needs_ops
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_copies_strided_rows_to_their_slots_and_skips_padding(dtype):
+@pytest.mark.parametrize("dtype,cache_dtype", [(d, d) for d in DTYPES] + [(torch.float32, torch.bfloat16)])
+def test_write_kv_copies_strided_rows_to_their_slots_and_skips_padding(dtype, cache_dtype):
+    """float32 rows into a bfloat16 cache (bf16-storage) are rounded as torch's .to() rounds them."""
     torch.manual_seed(5)
-    cache = torch.zeros(2, 8, 4, 2, 16, dtype=dtype)  # [K/V, blocks, block_size, Hkv, D]
+    cache = torch.zeros(2, 8, 4, 2, 16, dtype=cache_dtype)  # [K/V, blocks, block_size, Hkv, D]
     qkv = torch.randn(5, 6 * 16, dtype=dtype)
+    qkv[0, 32:34] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8])  # ties to even, down and up
     k, v = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:].view(5, 2, 16)  # rows 96 elements apart, like the model's
     slots = torch.tensor([3, 17, -1, 30, 4])
     cpu_kernels.write_kv(cache[0], cache[1], k, v, slots)
     want = torch.zeros_like(cache)
     keep = slots >= 0
-    want[0].view(32, 2, 16)[slots[keep]] = k[keep]
-    want[1].view(32, 2, 16)[slots[keep]] = v[keep]
+    want[0].view(32, 2, 16)[slots[keep]] = k[keep].to(cache_dtype)
+    want[1].view(32, 2, 16)[slots[keep]] = v[keep].to(cache_dtype)
     assert torch.equal(cache, want)

@@ -9,6 +9,7 @@ from iterserve.model.attention import build_plan, paged_attention
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model.loader import load_model_arch, load_weights
+from iterserve.model.quant import PanelWeight
 
 BS = 4
 
@@ -100,3 +101,36 @@ def test_tiny_models_match_transformers(tmp_path, kind):
         b = model.forward(ids[100:], torch.arange(100, 150), cache,
                           metadata([50], [150], [list(range(38))]), torch.arange(50))
     torch.testing.assert_close(torch.cat([a, b]), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["tied", "qwen2"])  # the LM head from the embedding; biases in float32
+def test_bf16_storage_matches_transformers_on_the_rounded_weights(tmp_path, kind):
+    """bfloat16 weights and cache under float32 arithmetic: transformers' float32 model on the same
+    bf16-rounded weights, apart from the K/V rounding (a decode then reads what the prompt wrote)."""
+    if cpu_kernels.linear_kernel() is None:
+        pytest.skip("cpu_linear.cpp not built here")
+    hf = tiny_checkpoint(tmp_path, kind)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.bfloat16().float())
+    cfg = load_model_arch(str(tmp_path))
+    model = LlamaModel(cfg, load_weights(str(tmp_path), cfg, torch.bfloat16), BS, dtype=torch.float32)
+    assert isinstance(model.lm_head, PanelWeight) and model.lm_head.panels.dtype == torch.bfloat16
+    ids = torch.randint(0, 128, (60,))
+    cache = torch.zeros(cfg.num_layers, 2, 64, BS, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = hf(ids[None]).logits[0]
+        a = model.forward(ids[:59], torch.arange(59), cache, metadata([59], [59], [list(range(15))]), torch.arange(59))
+        b = model.forward(ids[59:], torch.tensor([59]), cache, metadata([1], [60], [list(range(15))]),
+                          torch.arange(1))
+    got = torch.cat([a, b])
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+
+
+def test_bf16_storage_refuses_other_weight_dtypes(tmp_path):
+    tiny_checkpoint(tmp_path, "llama")
+    cfg = load_model_arch(str(tmp_path))
+    with pytest.raises(ValueError, match="bfloat16 weights"):
+        LlamaModel(cfg, load_weights(str(tmp_path), cfg, torch.float16), BS, dtype=torch.float32)

@@ -263,3 +263,27 @@ def test_a_factory_that_fails_raises_in_the_caller():
         raise ValueError("no such model file")
     with pytest.raises(ValueError, match="no such model file"):
         AsyncEngine(build)
+
+
+def test_the_heap_is_trimmed_once_per_busy_spell(tokenizer, monkeypatch):
+    """The freed step activations go back to the OS as the engine goes idle, not on every idle wake."""
+    from iterserve.server import async_engine as module
+    calls = []
+    monkeypatch.setattr(module, "trim_heap", lambda: calls.append(time.monotonic()))
+    engine = AsyncEngine(fake_engine(tokenizer))
+    try:
+        async def spell():
+            return [o async for o in engine.generate("hi", SamplingParams(max_tokens=3))]
+        for expected in (1, 2):
+            outs = asyncio.run(asyncio.wait_for(spell(), 30))
+            assert outs[-1].finished
+            deadline = time.monotonic() + 10
+            while len(calls) < expected and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(calls) == expected
+        engine._wake.set()  # an idle wake with nothing done: no trim
+        time.sleep(0.2)
+        assert len(calls) == 2
+    finally:
+        engine.shutdown()
+    module.trim_heap()  # the real one runs here (glibc), or is a no-op
