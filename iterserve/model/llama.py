@@ -100,7 +100,7 @@ class LlamaModel:
             raise ValueError(f"float32 arithmetic over bfloat16 weights only, without --quantization; got "
                              f"{embed.dtype} weights, {self.dtype} arithmetic, quantization {quantization}")
         n = max_positions or cfg.max_position_embeddings
-        self.embed = w["model.embed_tokens.weight"]
+        self.embed = embed
         self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
         if cfg.logits_multiplier != 1.0:  # Granite divides the logits: the same as dividing the head
             self.lm_head = self.lm_head * cfg.logits_multiplier
@@ -120,7 +120,7 @@ class LlamaModel:
             (lambda t: pack_float(t, panels=self.mixed))  # noqa: E731
         # each layer packed as soon as it is built: its fused float copies go before the next layer's come
         self.layers = [self._pack_layer(self._layer(w, i, window), pack) for i in range(cfg.num_layers)]
-        # the embedding stays a plain tensor for lookups; the LM head (tied or not) is packed apart
+        # the LM head (tied or not) is packed apart; the embedding stays a plain tensor for lookups
         tied = self.lm_head is self.embed
         if quantization is not None:
             self.lm_head = quantize(self.lm_head, "int8")  # int8 in both modes, as the GGUF keeps it Q8_0

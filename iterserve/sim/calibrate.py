@@ -165,8 +165,10 @@ def measure_kv_handoff(runner, tokens: int = 2048, reps: int = 3) -> tuple[float
     """(send, receive) bytes/s of a P/D hand-off of a `tokens`-token prompt through the same-host
     transport, as two engines pay it: this process reads the blocks (read_blocks) and sends them
     (ShmConnector.send, the copy into a new shared-memory segment); a second process receives each
-    and writes it into a pool of its own, touching the fresh segment's pages for the first time.
-    Best of reps, like the other microbenchmarks."""
+    and writes it as write_blocks does into blocks of a pool of its own that were never written: a
+    decode engine's pool is committed as its blocks are first used, and a run of minutes writes
+    mostly such blocks (blocks written before take about a third of the time). Best of reps, like
+    the other microbenchmarks."""
     import torch.multiprocessing as mp
 
     from iterserve.kv_transfer.shm_connector import ShmConnector
@@ -193,21 +195,21 @@ def measure_kv_handoff(runner, tokens: int = 2048, reps: int = 3) -> tuple[float
 
 
 def _handoff_receiver(queue, timings, rounds: int) -> None:
-    """measure_kv_handoff's decode side: receive, write into a pool, report the seconds that took."""
+    """measure_kv_handoff's decode side: receive, write into fresh blocks of a pool, report the seconds that took."""
     import torch
 
+    from iterserve.executor.model_runner import lazy_zeros, scatter_blocks
     from iterserve.kv_transfer.shm_connector import ShmConnector
     torch.set_num_threads(1)
     connector, pool = ShmConnector(queue), None
-    for _ in range(rounds):
+    for r in range(rounds):
         transfer = connector.receive(timeout=300)
         t0 = time.perf_counter()
         blocks = transfer.blocks
-        if pool is None:  # a pool of the same layout with room for two such requests; this one goes second
-            shape = list(blocks.shape)
-            shape[2] *= 2
-            pool = torch.zeros(shape, dtype=blocks.dtype)
-        pool[:, :, blocks.shape[2]:] = blocks
+        n = blocks.shape[2]
+        if pool is None:  # an engine's pool of the same layout, with fresh blocks for every round
+            pool = lazy_zeros((*blocks.shape[:2], n * rounds, *blocks.shape[3:]), blocks.dtype)
+        scatter_blocks(pool, range(r * n, (r + 1) * n), blocks)
         timings.put(time.perf_counter() - t0)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from iterserve.executor.model_runner import _lazy_zeros
+from iterserve.executor.model_runner import lazy_zeros
 
 MiB = 1 << 20
 
@@ -15,7 +15,7 @@ def rss() -> int:
 
 def test_the_pool_is_zeros_that_cost_nothing_until_written():
     before = rss()
-    kv = _lazy_zeros((2, 2, 2048, 16, 4, 64), torch.float32)  # 128 MiB
+    kv = lazy_zeros((2, 2, 2048, 16, 4, 64), torch.float32)  # 128 MiB
     assert kv.shape == (2, 2, 2048, 16, 4, 64) and kv.dtype == torch.float32 and kv.is_contiguous()
     assert rss() - before < 16 * MiB
     kv[0, 0, :64] = 1.0  # 64 blocks of one layer's K: 1 MiB
@@ -24,5 +24,5 @@ def test_the_pool_is_zeros_that_cost_nothing_until_written():
 
 
 def test_an_empty_pool_is_allowed():  # no swap pool with recompute preemption
-    kv = _lazy_zeros((2, 2, 0, 16, 4, 64), torch.bfloat16)
+    kv = lazy_zeros((2, 2, 0, 16, 4, 64), torch.bfloat16)
     assert kv.shape == (2, 2, 0, 16, 4, 64) and kv.dtype == torch.bfloat16

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from iterserve.config import EngineConfig
@@ -166,3 +168,20 @@ def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(r
         return tokens[len(prompt):]
 
     assert greedy(mixed) == greedy(runner)
+
+
+@given(st.lists(st.integers(0, 40), unique=True, max_size=20))
+@settings(max_examples=60, deadline=None)
+def test_blocks_move_run_by_run_as_indexing_would(block_ids):
+    """gather/scatter copy runs of consecutive ids as slices; the result is pool[:, :, ids]'s."""
+    from iterserve.executor.model_runner import block_runs, gather_blocks, scatter_blocks
+    pool = torch.arange(2 * 2 * 41 * 3, dtype=torch.float32).view(2, 2, 41, 3)
+    runs = block_runs(block_ids)
+    assert [b for _, first, n in runs for b in range(first, first + n)] == block_ids
+    assert all(runs[k][1] + runs[k][2] != runs[k + 1][1] for k in range(len(runs) - 1))  # maximal runs
+    assert torch.equal(gather_blocks(pool, block_ids), pool[:, :, block_ids])
+    blocks = -torch.rand(2, 2, len(block_ids), 3)
+    want = pool.clone()
+    want[:, :, block_ids] = blocks
+    scatter_blocks(pool, block_ids, blocks)
+    assert torch.equal(pool, want)
