@@ -86,7 +86,7 @@ class CacheConfig:
     swap_space: Bytes | None = _help("host KV pool for swap preemption, e.g. 4GiB; default: 1GiB with "
                                      "--preemption-mode swap or auto, none with recompute", default=None)
     kv_cache_dtype: Literal["auto", "int8"] = _help(
-        "KV cache storage; auto: the model dtype; int8: values quantized per token and kv head, each with a "
+        "KV cache storage; auto: the weights' dtype (bfloat16 under --dtype bf16-storage); int8: values quantized per token and kv head, each with a "
         "float32 scale (about 2x the blocks of bfloat16 in the same memory; torch/CPU attention, not Triton)",
         default="auto")
     enable_prefix_caching: bool = _help("reuse the KV blocks of shared prompt prefixes", default=True)

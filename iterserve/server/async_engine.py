@@ -415,8 +415,8 @@ def log_finished(out: RequestOutput) -> None:
 
 def trim_heap() -> None:
     """Hand the heap's free pages back to the OS as the engine goes idle: a busy spell's step
-    activations (up to max_num_batched_tokens rows per layer) leave ~100 MB that glibc keeps in its
-    arenas otherwise (docs/performance.md). Nothing where the C library has no malloc_trim."""
+    activations (up to max_num_batched_tokens rows per layer) leave freed heap that glibc keeps in its
+    arenas otherwise (docs/operations.md). Nothing where the C library has no malloc_trim."""
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is not None:
         trim(0)

@@ -79,12 +79,12 @@ def _worker(name: str, config_kwargs, transport: str, channels: dict, init_metho
     reported = engine.stats.num_steps
     while True:
         busy = side.has_unfinished()
-        if decoding and not busy:
-            side.poll(timeout=0.005)
+        if decoding and not busy:  # an idle decode engine waits on its KV channel, not on the command queue:
+            side.poll(timeout=0.02)  # a transfer landing is taken in at once
             busy = side.has_unfinished()
         try:
             while True:
-                cmd = inbox.get(timeout=0.02) if not busy else inbox.get_nowait()
+                cmd = inbox.get(timeout=0.02) if not (busy or decoding) else inbox.get_nowait()
                 busy = True  # drain the rest without waiting
                 if cmd[0] == "stop":
                     connector.close()
