@@ -344,6 +344,6 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     assert not mixed or (x.dtype == torch.float32 and panels.dtype == torch.bfloat16)
     assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
     y = x.new_empty(m, n)
-    (kernel or linear_kernel())(MIXED if mixed else DTYPES[x.dtype], x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(bias), y.data_ptr(),
-                                m, n, k, torch.get_num_threads())
+    (kernel or linear_kernel())(MIXED if mixed else DTYPES[x.dtype], x.data_ptr(), x.stride(0), panels.data_ptr(),
+                                _ptr(bias), y.data_ptr(), m, n, k, torch.get_num_threads())
     return y

@@ -146,8 +146,9 @@ int iterserve_linear_supported() {
 #endif
 }
 
-// dtype of x, the panels, bias and y: 0 float32, 1 bfloat16; 2: bfloat16 panels, the rest float32. x rows ldx elements apart, y contiguous;
-// bias may be null. Returns 0, or -1 where this build cannot run it.
+// dtype of x, the panels, bias and y: 0 float32, 1 bfloat16; 2 bfloat16 panels, the rest float32.
+// x rows ldx elements apart, y contiguous; bias may be null. Returns 0, or -1 where this build cannot
+// run it.
 int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, const void* bias, void* y,
                      int64_t M, int64_t N, int64_t K, int num_threads) {
 #if defined(__AVX512F__)

@@ -79,8 +79,8 @@ def _worker(name: str, config_kwargs, transport: str, channels: dict, init_metho
     reported = engine.stats.num_steps
     while True:
         busy = side.has_unfinished()
-        if decoding and not busy:  # an idle decode engine waits on its KV channel, not on the command queue:
-            side.poll(timeout=0.02)  # a transfer landing is taken in at once
+        if decoding and not busy:  # idle, it waits on its KV channel, not on the commands: a transfer
+            side.poll(timeout=0.02)  # landing is taken in at once
             busy = side.has_unfinished()
         try:
             while True:

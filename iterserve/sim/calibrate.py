@@ -436,7 +436,8 @@ def _calibrate(model_path: str | None, runner_kwargs: dict, reps: int, points: l
     spec = get_model_spec(path, elem)
     rows = measure_steps(runner, points, reps)
     base = HardwareSpec("cpu-local", memory_bytes=_total_memory(), mem_bandwidth=bw,
-                        peak_flops=flops["bfloat16" if runner.dtype == torch.bfloat16 else "float32"], reserved_bytes=0, kind="cpu",
+                        peak_flops=flops["bfloat16" if runner.dtype == torch.bfloat16 else "float32"],
+                        reserved_bytes=0, kind="cpu",
                         interconnect_bandwidth=bw, host_link_bandwidth=bw, fused_attention=False)
     hw, err = fit_profile(spec, base, rows)
     host_fixed, host_seq = measure_host_overhead(runner.tokenizer, [1, 8, 32])
