@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from iterserve.bench.metrics import summarize
-from iterserve.bench.runner import run_http
+from iterserve.bench.runner import process_cpu_seconds, run_http
 from iterserve.bench.workload import multi_tenant_trace
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
@@ -119,22 +119,19 @@ def serving_cpu_seconds() -> tuple[float, dict[int, float]]:
     load generator) and Ray's own (proxy, ingress, controller, GCS, raylet, agents); and each engine
     replica's process, by pid. On a host whose cores the replicas also use, each second of the first is
     taken from a replica."""
-    tick, total, replicas = os.sysconf("SC_CLK_TCK"), sum(os.times()[:2]), {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    total, replicas = sum(os.times()[:2]), {}
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().decode(errors="replace")
-            if int(pid) == os.getpid() or "ray" not in cmd:
-                continue
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            seconds = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue  # gone meanwhile
+        if pid == os.getpid() or "ray" not in cmd:
+            continue
         if "EngineReplica" in cmd:
-            replicas[int(pid)] = seconds
+            replicas[pid] = process_cpu_seconds(pid)
         else:
-            total += seconds
+            total += process_cpu_seconds(pid)
     return total, replicas
 
 

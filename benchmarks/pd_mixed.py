@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from iterserve.bench.metrics import stats
+from iterserve.bench.runner import process_cpu_seconds
 from iterserve.config import EngineConfig
 from iterserve.engine.disagg import parse_pd
 from iterserve.sampling_params import SamplingParams
@@ -95,7 +96,7 @@ def run_pd(args, trace, probe: dict | None = None) -> dict[str, object]:
         while pd.has_unfinished():
             pd.get_outputs(0.05)
         done, i, start = {}, 0, time.monotonic()
-        cpu = {name: _proc_cpu_s(p.pid) for name, p in pd.procs.items()}
+        cpu = {name: process_cpu_seconds(p.pid) for name, p in pd.procs.items()}
         front = time.process_time()
         while len(done) < len(trace):
             now = time.monotonic() - start
@@ -110,7 +111,7 @@ def run_pd(args, trace, probe: dict | None = None) -> dict[str, object]:
         if probe is not None:
             probe["records"] = {name: [r for r in recs if r.start >= start] for name, recs in records.items()}
             probe["cpu_s"] = {"front (this process)": time.process_time() - front,
-                              **{name: _proc_cpu_s(p.pid) - cpu[name] for name, p in pd.procs.items()}}
+                              **{name: process_cpu_seconds(p.pid) - cpu[name] for name, p in pd.procs.items()}}
             probe["wall_s"] = time.monotonic() - start
             probe["load"] = _load_average()
             probe["preemptions"] = sum(preemptions.values())
@@ -126,17 +127,6 @@ def _load_average() -> float | None:
         return os.getloadavg()[0]
     except (OSError, AttributeError):
         return None
-
-
-def _proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc; 0 elsewhere)."""
-    import os
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def pd_threads(args) -> int:

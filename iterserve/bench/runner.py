@@ -114,6 +114,17 @@ def resident_bytes() -> int | None:
         return None
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc; 0 where it cannot be read, or
+    the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def engine_block_size(engine) -> int:
     return engine.config.cache_config.block_size
 

@@ -104,14 +104,14 @@ class ModelRunner:
         mc, cc = config.model_config, config.cache_config
         self.device = pick_device(mc.device)
         self.dtype = pick_dtype(mc.dtype, self.device)
-        self.storage_dtype = storage_dtype(mc.dtype, self.device, mc.quantization)
+        load_dtype = storage_dtype(mc.dtype, self.device, mc.quantization)  # checks the combination too
         if self.device.type == "cpu":
             torch.set_num_threads(mc.num_threads or os.cpu_count() or 1)
         pending_tokenizer = None
         if weights is None:
             path = mc.model or default_model_path()
             pending_tokenizer = _load_tokenizer_aside(path)
-            arch, weights = weight_cache.load_arch_and_weights(path, self.storage_dtype, self.device)
+            arch, weights = weight_cache.load_arch_and_weights(path, load_dtype, self.device)
         assert arch is not None, "weights given without their arch"
         self.arch = cfg = arch
         self.vocab_size = cfg.vocab_size
@@ -123,7 +123,7 @@ class ModelRunner:
         self.model = LlamaModel(cfg, weights, cc.block_size, max_positions=cfg.max_position_embeddings,
                                 quantization=mc.quantization, tp=tp, dtype=self.dtype)
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
-        self.storage_dtype = self.model.weight_dtype  # given weights come as the caller made them
+        self.storage_dtype = self.model.weight_dtype  # weights and KV pool; given weights as the caller made them
         self.tokenizer = tokenizer if pending_tokenizer is None else pending_tokenizer.result()
         self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
         weight_cache.release_load_buffers()  # after the tokenizer: a cold one leaves the GGUF conversion's garbage

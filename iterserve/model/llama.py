@@ -93,10 +93,9 @@ class LlamaModel:
         self.cfg, self.block_size, self.tp = cfg, block_size, tp
         w = weights
         embed = w["model.embed_tokens.weight"]
-        self.dtype, self.device = dtype or embed.dtype, embed.device
-        self.mixed = self.dtype != embed.dtype
-        self.weight_dtype = embed.dtype
-        if self.mixed and (quantization is not None or self.dtype != torch.float32 or embed.dtype != torch.bfloat16):
+        self.dtype, self.device, self.weight_dtype = dtype or embed.dtype, embed.device, embed.dtype
+        mixed = self.dtype != embed.dtype
+        if mixed and (quantization is not None or self.dtype != torch.float32 or embed.dtype != torch.bfloat16):
             raise ValueError(f"float32 arithmetic over bfloat16 weights only, without --quantization; got "
                              f"{embed.dtype} weights, {self.dtype} arithmetic, quantization {quantization}")
         n = max_positions or cfg.max_position_embeddings
@@ -117,7 +116,7 @@ class LlamaModel:
         if quantization is not None:
             check_supported(quantization, self.device)
         pack = (lambda t: quantize(t, quantization)) if quantization else \
-            (lambda t: pack_float(t, panels=self.mixed))  # noqa: E731
+            (lambda t: pack_float(t, panels=mixed))  # noqa: E731
         # each layer packed as soon as it is built: its fused float copies go before the next layer's come
         self.layers = [self._pack_layer(self._layer(w, i, window), pack) for i in range(cfg.num_layers)]
         # the LM head (tied or not) is packed apart; the embedding stays a plain tensor for lookups
@@ -125,7 +124,7 @@ class LlamaModel:
         if quantization is not None:
             self.lm_head = quantize(self.lm_head, "int8")  # int8 in both modes, as the GGUF keeps it Q8_0
         else:
-            self.lm_head = pack_float(self.lm_head, panels=self.mixed)
+            self.lm_head = pack_float(self.lm_head, panels=mixed)
         if tied and isinstance(self.lm_head, PanelWeight):
             self.embed = None  # lookups read the tied head's panels: the vocabulary's rows held once, not twice
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5

@@ -27,7 +27,6 @@ that cannot be read is rebuilt with a warning; one that cannot be written leaves
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import gc
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from iterserve.heap import trim_heap
 from iterserve.model import loader, tokenizer
 from iterserve.model.cpu_kernels import cache_dir
 from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
@@ -341,7 +341,4 @@ def release_load_buffers() -> None:
     (glibc keeps freed chunks below the heap's top mapped until malloc_trim)."""
     loader.forget_gguf_files()
     gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    trim_heap()

@@ -8,7 +8,6 @@ event-loop wakeup per step, not one per token). An idle engine thread blocks on 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import AsyncIterator, Callable
 
 from iterserve.engine import Engine
 from iterserve.engine.stats import EngineStats
+from iterserve.heap import trim_heap
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 
@@ -298,8 +298,8 @@ class AsyncEngine:
                                                          "(--shutdown-timeout)"))
                 if not self.engine.has_unfinished():
                     self._status.idle()
-                    if busy:
-                        trim_heap()
+                    if busy:  # a busy spell's step activations (up to max_num_batched_tokens rows per layer)
+                        trim_heap()  # are freed to the heap, which keeps them (docs/operations.md)
                         busy = False
                     self._wake.wait()
                     continue
@@ -411,18 +411,6 @@ def log_finished(out: RequestOutput) -> None:
     ms = lambda x: "-" if x is None else f"{1000 * x:.0f}ms"  # noqa: E731
     logger.info("request %s %s: prompt %d tokens, output %d tokens, TTFT %s, e2e %s",
                 out.request_id, out.finish_reason, out.num_prompt_tokens, len(out.token_ids), ms(t.ttft), ms(t.e2e))
-
-
-def trim_heap() -> None:
-    """Hand the heap's free pages back to the OS as the engine goes idle: a busy spell's step
-    activations (up to max_num_batched_tokens rows per layer) leave freed heap that glibc keeps in its
-    arenas otherwise (docs/operations.md). Nothing where the C library has no malloc_trim."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-_LIBC = ctypes.CDLL(None)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
