@@ -25,6 +25,7 @@ from iterserve.executor.base import KVCacheSpec, kv_head_width, num_blocks_for
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.logits_processors import make_adjust
 from iterserve.executor.sampler import make_batch, prompt_logprobs, sample, verify_random_drafts
+from iterserve.heap import advise_huge_pages
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model import weight_cache
@@ -107,11 +108,13 @@ class ModelRunner:
         load_dtype = storage_dtype(mc.dtype, self.device, mc.quantization)  # checks the combination too
         if self.device.type == "cpu":
             torch.set_num_threads(mc.num_threads or os.cpu_count() or 1)
-        pending_tokenizer = None
+        pending_tokenizer = panel_cache = None
         if weights is None:
             path = mc.model or default_model_path()
             pending_tokenizer = _load_tokenizer_aside(path)
             arch, weights = weight_cache.load_arch_and_weights(path, load_dtype, self.device)
+            if mc.quantization is None:
+                panel_cache = weight_cache.panel_cache(path, load_dtype, self.device)
         assert arch is not None, "weights given without their arch"
         self.arch = cfg = arch
         self.vocab_size = cfg.vocab_size
@@ -121,7 +124,9 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len or cfg.max_position_embeddings
         self.block_size = cc.block_size
         self.model = LlamaModel(cfg, weights, cc.block_size, max_positions=cfg.max_position_embeddings,
-                                quantization=mc.quantization, tp=tp, dtype=self.dtype)
+                                quantization=mc.quantization, tp=tp, dtype=self.dtype, panel_cache=panel_cache)
+        if panel_cache is not None:
+            panel_cache.save()
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
         self.storage_dtype = self.model.weight_dtype  # weights and KV pool; given weights as the caller made them
         self.tokenizer = tokenizer if pending_tokenizer is None else pending_tokenizer.result()
@@ -513,22 +518,7 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     kv = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
-    _advise_huge_pages(kv)  # before the first touch, so the pages come huge
+    # Decode reads K/V block by block from all over the pool: over 4 KiB pages nearly every block is a
+    # TLB miss (decode attention over scattered blocks ran 15-25% faster on huge pages, measured)
+    advise_huge_pages(kv.data_ptr(), kv.nbytes)
     return kv
-
-
-def _advise_huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux for 2 MiB pages under a large CPU tensor (transparent huge pages in `madvise` mode).
-
-    Decode reads K/V block by block from all over the pool: with 4 KiB pages nearly every block is a
-    TLB miss. Measured on this machine, decode attention over scattered blocks ran 15-25% faster."""
-    huge = 1 << 21
-    start, end = -(-t.data_ptr() // huge) * huge, (t.data_ptr() + t.nbytes) // huge * huge
-    if end <= start or not hasattr(os, "uname") or os.uname().sysname != "Linux":
-        return
-    import ctypes
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE; a no-op if refused
-    except (OSError, AttributeError):
-        pass

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from iterserve.heap import HUGE_PAGE
 from iterserve.model.kv_quant import SCALE_BYTES
 
 logger = logging.getLogger("iterserve.model")
@@ -298,7 +299,6 @@ class _HugePageArena:
     partly waste. Each tensor holds its mapping; the arena only a weak reference to the newest one."""
 
     CHUNK = 64 << 20
-    HUGE_PAGE = 2 << 20
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -309,11 +309,11 @@ class _HugePageArena:
         with self.lock:
             mapping = self.mapping() if self.mapping is not None else None
             if mapping is None or self.used + size > self.end:
-                self.end = max(self.CHUNK, size) + self.HUGE_PAGE  # room to start on a huge-page boundary
+                self.end = max(self.CHUNK, size) + HUGE_PAGE  # room to start on a huge-page boundary
                 mapping = mmap.mmap(-1, self.end, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, so the faults take huge pages
                 base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-                self.mapping, self.used = weakref.ref(mapping), -base % self.HUGE_PAGE
+                self.mapping, self.used = weakref.ref(mapping), -base % HUGE_PAGE
             offset, self.used = self.used, self.used + -(-size // 64) * 64  # each tensor cache-line aligned
         return torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=offset).view(dtype).view(shape)
 

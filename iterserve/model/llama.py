@@ -85,28 +85,26 @@ def _llama3_scale(inv: torch.Tensor, sc: dict) -> torch.Tensor:
 class LlamaModel:
     def __init__(self, cfg: ModelArch, weights: dict[str, torch.Tensor], block_size: int,
                  max_positions: int | None = None, quantization: str | None = None, tp=None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, panel_cache=None):
         """tp: a rank's collectives under tensor parallelism (model/sharding.py TensorParallel): cfg and
         weights are then that rank's shard, and the o/down outputs and the logits cross ranks.
         dtype: the arithmetic's, where it differs from the weights' (--dtype bf16-storage: bfloat16
-        weights read by the CPU panel kernel under float32 activations); default: the weights'."""
+        weights read by the CPU panel kernel under float32 activations); default: the weights'.
+        panel_cache: a weight_cache.PanelCache, whose panels stand in for the float weights they were
+        packed from (those are then never read); None: every weight is packed here."""
         self.cfg, self.block_size, self.tp = cfg, block_size, tp
         w = weights
-        embed = w["model.embed_tokens.weight"]
-        self.dtype, self.device, self.weight_dtype = dtype or embed.dtype, embed.device, embed.dtype
-        mixed = self.dtype != embed.dtype
-        if mixed and (quantization is not None or self.dtype != torch.float32 or embed.dtype != torch.bfloat16):
+        norm = w["model.norm.weight"]  # every family has it, in the weights' dtype; the embedding may go unread
+        self.dtype, self.device, self.weight_dtype = dtype or norm.dtype, norm.device, norm.dtype
+        mixed = self.dtype != norm.dtype
+        if mixed and (quantization is not None or self.dtype != torch.float32 or norm.dtype != torch.bfloat16):
             raise ValueError(f"float32 arithmetic over bfloat16 weights only, without --quantization; got "
-                             f"{embed.dtype} weights, {self.dtype} arithmetic, quantization {quantization}")
+                             f"{norm.dtype} weights, {self.dtype} arithmetic, quantization {quantization}")
         n = max_positions or cfg.max_position_embeddings
-        self.embed = embed
-        self.lm_head = w.get("lm_head.weight", self.embed) if not cfg.tie_word_embeddings else self.embed
-        if cfg.logits_multiplier != 1.0:  # Granite divides the logits: the same as dividing the head
-            self.lm_head = self.lm_head * cfg.logits_multiplier
         # Gemma's embedding scale, rounded to the compute dtype as transformers does; None: 1
         self.embed_scale = None if cfg.embedding_multiplier == 1.0 else \
             torch.tensor(cfg.embedding_multiplier, dtype=self.dtype, device=self.device)
-        self.norm = self._norm_weight(w["model.norm.weight"])
+        self.norm = self._norm_weight(norm)
         # a window as long as the longest sequence masks nothing: those layers attend as global ones
         window = cfg.sliding_window if cfg.sliding_window < n else 0
         self.rope_tables = [rope_cos_sin(cfg, n, cfg.rope_theta, cfg.rope_scaling, w.get("rope_freqs"))]
@@ -115,18 +113,26 @@ class LlamaModel:
         self.rope_tables = [(c.to(self.device, self.dtype), s.to(self.device, self.dtype)) for c, s in self.rope_tables]
         if quantization is not None:
             check_supported(quantization, self.device)
-        pack = (lambda t: quantize(t, quantization)) if quantization else \
-            (lambda t: pack_float(t, panels=mixed))  # noqa: E731
-        # each layer packed as soon as it is built: its fused float copies go before the next layer's come
-        self.layers = [self._pack_layer(self._layer(w, i, window), pack) for i in range(cfg.num_layers)]
-        # the LM head (tied or not) is packed apart; the embedding stays a plain tensor for lookups
-        tied = self.lm_head is self.embed
-        if quantization is not None:
-            self.lm_head = quantize(self.lm_head, "int8")  # int8 in both modes, as the GGUF keeps it Q8_0
-        else:
-            self.lm_head = pack_float(self.lm_head, panels=mixed)
-        if tied and isinstance(self.lm_head, PanelWeight):
-            self.embed = None  # lookups read the tied head's panels: the vocabulary's rows held once, not twice
+
+        def pack(name: str, read) -> Weight:
+            """The weight `name` as the model runs it, from read() (its float tensor) or from the cache."""
+            if quantization is not None:
+                return quantize(read(), quantization)
+            build = lambda: pack_float(read(), panels=mixed)  # noqa: E731
+            return build() if panel_cache is None else panel_cache.weight(name, build)
+
+        # each weight packed as soon as it is read: its float copy goes before the next one comes
+        self.layers = [self._layer(w, i, window, pack) for i in range(cfg.num_layers)]
+        # the LM head is the embedding where tied (or absent); unscaled, its rows are the embedding's
+        head_name = "lm_head.weight" if "lm_head.weight" in w and not cfg.tie_word_embeddings else \
+            "model.embed_tokens.weight"
+        tied = head_name == "model.embed_tokens.weight" and cfg.logits_multiplier == 1.0
+        # Granite divides the logits: the same as dividing the head
+        head = lambda: self._scaled(w[head_name], cfg.logits_multiplier)  # noqa: E731
+        # int8 in both modes, as the GGUF keeps it Q8_0
+        self.lm_head = quantize(head(), "int8") if quantization is not None else pack("lm_head", head)
+        # lookups read a tied head's panels: the vocabulary's rows held once, not twice
+        self.embed = None if tied and isinstance(self.lm_head, PanelWeight) else w["model.embed_tokens.weight"]
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.attention = attention_backend(self.device, block_size, self.dtype)  # torch or triton
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -142,9 +148,9 @@ class LlamaModel:
         weight = weight.to(self.dtype)
         return weight + self.cfg.norm_weight_offset if self.cfg.norm_weight_offset else weight
 
-    def _layer(self, w: dict[str, torch.Tensor], i: int, window: int) -> LayerWeights:
+    def _layer(self, w: dict[str, torch.Tensor], i: int, window: int, pack) -> LayerWeights:
         # weights stay [out, in]: a pre-transposed [in, out] copy used as x @ W was no faster on CPU
-        # bf16 (measured at 1, 64 and 512 rows, 1 thread); what pays is oneDNN's own layout (pack_float)
+        # bf16 (measured at 1, 64 and 512 rows, 1 thread); what pays is a packed layout (pack_float)
         cfg, p = self.cfg, f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         bias = None
@@ -157,41 +163,33 @@ class LlamaModel:
         attn_norm, attn_out_norm, mlp_norm, mlp_out_norm = (self._norm_weight(w[p + k + ".weight"]) if k else None
                                                             for k in norms)
         qk = cfg.qk_norm != "none"
-        o = w[a + "o_proj.weight"]
-        if cfg.residual_multiplier != 1.0:  # Granite scales each block's output: fold it into the last linear
-            o = o * cfg.residual_multiplier
         gate_up = down = router = experts = None
         if cfg.num_experts and (not cfg.moe_layers or cfg.moe_layers[i]):
             router = w[m + "gate.weight"].to(self.dtype)
-            experts = [self._mlp_weights(w, f"{m}experts.{j}.") for j in range(cfg.num_experts)]
+            experts = [self._mlp_weights(w, f"{m}experts.{j}.", pack) for j in range(cfg.num_experts)]
         else:
-            gate_up, down = self._mlp_weights(w, m)
+            gate_up, down = self._mlp_weights(w, m, pack)
         windowed = window and cfg.sliding_layers[i]
         return LayerWeights(
             attn_norm=attn_norm,
-            qkv=_fused(w, a, FUSED_QKV),
+            qkv=pack(a + "qkv", lambda: _fused(w, a, FUSED_QKV)),
             qkv_bias=bias, q_norm=self._norm_weight(w[a + "q_norm.weight"]) if qk else None,
             k_norm=self._norm_weight(w[a + "k_norm.weight"]) if qk else None,
-            o=o.contiguous(), attn_out_norm=attn_out_norm, mlp_norm=mlp_norm,
+            # Granite scales each block's output: folded into its last linear
+            o=pack(a + "o", lambda: self._scaled(w[a + "o_proj.weight"], cfg.residual_multiplier)),
+            attn_out_norm=attn_out_norm, mlp_norm=mlp_norm,
             gate_up=gate_up, down=down, mlp_out_norm=mlp_out_norm, window=window if windowed else 0,
             rope=1 if cfg.rope_local_theta is not None and cfg.sliding_layers and cfg.sliding_layers[i] else 0,
             router=router, experts=experts)
 
-    @staticmethod
-    def _pack_layer(layer: LayerWeights, pack) -> LayerWeights:
-        for name in ("qkv", "o", "gate_up", "down"):
-            if getattr(layer, name) is not None:
-                setattr(layer, name, pack(getattr(layer, name)))
-        if layer.experts is not None:
-            layer.experts = [(pack(gate_up), pack(down)) for gate_up, down in layer.experts]
-        return layer
+    def _mlp_weights(self, w: dict[str, torch.Tensor], prefix: str, pack) -> tuple[Weight, Weight]:
+        return (pack(prefix + "gate_up", lambda: _fused(w, prefix, FUSED_GATE_UP)),
+                pack(prefix + "down", lambda: self._scaled(w[prefix + "down_proj.weight"],
+                                                           self.cfg.residual_multiplier)))
 
-    def _mlp_weights(self, w: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up = _fused(w, prefix, FUSED_GATE_UP)
-        down = w[prefix + "down_proj.weight"]
-        if self.cfg.residual_multiplier != 1.0:  # as o above
-            down = down * self.cfg.residual_multiplier
-        return gate_up, down.contiguous()
+    @staticmethod
+    def _scaled(weight: torch.Tensor, multiplier: float) -> torch.Tensor:
+        return weight * multiplier if multiplier != 1.0 else weight.contiguous()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:

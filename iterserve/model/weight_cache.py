@@ -8,31 +8,34 @@ pure functions of the file, so their results are kept beside the kernels' build 
     <XDG_CACHE_HOME or ~/.cache>/iterserve/weights/<file stem>-<path hash>-<key>/
         model.safetensors   the dequantized float32 weights (HF names; q/k/v and gate/up fused as the
                             model runs them), the ModelArch in its header
+        panels-<dtype>.safetensors   the linear weights packed for the CPU kernel (PanelCache), per dtype
         tokenizer/          the tokenizer as transformers' save_pretrained writes it, and beside it what
                             the serving tokenizer reads (model/tokenizer.py: no transformers import)
 
-and read back tensor by tensor as the model packs them (pread, not mmap: a mapping would keep every
-page the packing read resident beside the packed copies until the last layer was packed).
-
-What is cached is the float weights, not the oneDNN-packed ones: torch.ops.mkldnn._reorder_linear_weight
+The floats are read back tensor by tensor as the model packs them (pread, not mmap: a mapping would
+keep every page the packing read resident beside the packed copies until the last layer was packed);
+where the panels are cached, the model maps them and reads only the small float weights it keeps
+(norms, biases). oneDNN's packed weights are never cached: torch.ops.mkldnn._reorder_linear_weight
 returns an opaque MKLDNN tensor (no storage, no data pointer) that neither torch.save nor safetensors
-can write, and packing from the cached floats costs a fraction of dequantizing (docs/operations.md).
-So the key holds what decides those float bytes and the tokenizer: the file's size, mtime and a hash
-of its first and last MiB (hashing all of a multi-GiB file would cost what the cache saves), this
-format's version and the gguf / transformers / tokenizers versions. The CPU's flags and the compute
-dtype do not change them: the model converts and packs after reading, on whatever machine.
+can write. So the key holds what decides the float bytes and the tokenizer: the file's size, mtime
+and a hash of its first and last MiB (hashing all of a multi-GiB file would cost what the cache
+saves), this format's version and the gguf / transformers / tokenizers versions. The CPU's flags do
+not change them, nor the panels (PanelCache).
 
 ITERSERVE_WEIGHT_CACHE=0 turns the cache off; ITERSERVE_WEIGHT_CACHE=DIR keeps it in DIR. An entry
 that cannot be read is rebuilt with a warning; one that cannot be written leaves the start uncached.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import gc
 import hashlib
 import json
 import logging
+import math
+import mmap
 import os
 import shutil
 from collections.abc import Iterator, Mapping
@@ -41,11 +44,12 @@ from pathlib import Path
 
 import torch
 
-from iterserve.heap import trim_heap
-from iterserve.model import loader, tokenizer
+from iterserve.heap import advise_huge_pages, trim_heap
+from iterserve.model import cpu_kernels, loader, tokenizer
 from iterserve.model.cpu_kernels import cache_dir
 from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
 from iterserve.model.loader import ModelArch
+from iterserve.model.quant import PanelWeight, Weight, panel_dtype
 
 logger = logging.getLogger("iterserve.model")
 
@@ -249,6 +253,107 @@ def _prune_siblings(entry: Path) -> None:
     for old in entry.parent.iterdir():
         if old.name.startswith(prefix) and old != entry and old.is_dir():
             shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- packed panels
+
+class PanelCache:
+    """The model's weights as the CPU linear kernel reads them (cpu_kernels.pack_panels), for one dtype,
+    kept in the entry as panels-<dtype>.safetensors and mapped, not read, by a warm start: the model then
+    neither reads the float weights it packs nor packs them, and its panels are the OS page cache's pages
+    (read ahead into 2 MiB folios where the file system has them, so as fast to stream as the huge-page
+    arena: docs/performance.md) rather than fresh memory, whose every 2 MiB first touch waits for the
+    hypervisor in a virtual machine. A miss packs as before and writes the file for the next start.
+
+    The panels are a pure function of the entry's floats, the dtype and PANEL: not of the CPU, beyond
+    its having the kernel (AVX-512), which panel_cache checks as pack_float does."""
+
+    def __init__(self, file: Path, key: str) -> None:
+        self.file, self.key = file, key
+        self.mapped = _map_panels(file, key) if file.exists() else {}
+        self.built: dict[str, PanelWeight] = {}
+
+    def weight(self, name: str, build) -> Weight:
+        """The cached panels of `name`, or build() (recorded for save() where it gives panels)."""
+        if name in self.mapped:
+            return self.mapped[name]
+        weight = build()
+        if isinstance(weight, PanelWeight):
+            self.built[name] = weight
+        return weight
+
+    def save(self) -> None:
+        """After a miss, write every weight packed for the next start: a temporary file renamed into place,
+        flushed and dropped from the page cache (written, it sits there in small folios; read back through a
+        huge-page mapping it comes in 2 MiB ones). A file that cannot be written leaves the next start
+        packing again."""
+        if not self.built or self.mapped:
+            return
+        from safetensors.torch import save_file
+        tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
+        meta = {"key": self.key, "out_features": json.dumps({n: w.shape[0] for n, w in self.built.items()})}
+        try:
+            save_file({n: w.panels for n, w in self.built.items()}, str(tmp), metadata=meta)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.file)
+        except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is no reason to fail
+            logger.warning("weight cache: cannot write %s (%s)", self.file, exc)
+            tmp.unlink(missing_ok=True)
+            return
+        logger.info("weight cache: packed weights written to %s", self.file)
+
+
+def panel_cache(path: str, dtype: torch.dtype, device: torch.device) -> PanelCache | None:
+    """The model file's panel cache for weights of `dtype`, or None where the file is not cached or
+    pack_float would not give this CPU's kernel panels."""
+    if device.type != "cpu" or not panel_dtype(dtype) or cpu_kernels.linear_kernel() is None:
+        return None
+    entry = entry_dir(path)
+    if entry is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return PanelCache(entry / f"panels-{name}.safetensors", f"{entry.name}-{name}-{cpu_kernels.PANEL}")
+
+
+def _map_panels(file: Path, key: str) -> dict[str, PanelWeight]:
+    """The file's panels by name, as views of a private mapping of it; empty (with a warning, the file
+    removed) if it is not a good one. Mapped here rather than by safetensors, whose reader touches each
+    tensor's first page as it hands it out: the mapping is advised for huge pages before any page is read,
+    so that the reads come in 2 MiB folios. The format is safetensors' own (save_file wrote it): an 8-byte
+    little-endian header length, a JSON header of dtype, shape and data_offsets, then the data."""
+    try:
+        with open(file, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)  # copy-on-write: never written
+        advise_huge_pages(ctypes.addressof(ctypes.c_char.from_buffer(mapping)), len(mapping))
+        length = int.from_bytes(mapping[:8], "little")
+        header = json.loads(mapping[8:8 + length])
+        meta = header.pop("__metadata__", {})
+        if meta.get("key") != key:
+            raise ValueError(f"written for key {meta.get('key')!r}, not {key!r}")
+        out_features = json.loads(meta["out_features"])
+        panels = {}
+        for name, info in header.items():
+            dtype, shape = _SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
+            begin, end = (8 + length + o for o in info["data_offsets"])
+            if len(shape) != 3 or end > len(mapping) or end - begin != math.prod(shape) * dtype.itemsize:
+                raise ValueError(f"{name}: shape {shape} and offsets {info['data_offsets']} disagree")
+            panels[name] = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=begin).view(shape)
+        if set(panels) != set(out_features):
+            raise ValueError("its panels and their out_features disagree")
+    except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, it is rebuilt, never fatal
+        logger.warning("weight cache: %s is unreadable (%s); rebuilding it", file, exc)
+        file.unlink(missing_ok=True)
+        return {}
+    logger.info("weight cache: packed weights mapped from %s", file)
+    return {name: PanelWeight(p, torch.Size((out_features[name], p.shape[1]))) for name, p in panels.items()}
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------- tokenizer

@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as Q
 
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model import loader, weight_cache
+from iterserve.model import cpu_kernels, loader, weight_cache
+from iterserve.model.quant import PanelWeight
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.model.test_loader import write_tiny_gguf
@@ -40,7 +41,11 @@ def fresh(path: str):
 
 def logits(arch, weights) -> torch.Tensor:
     """The prompt's logits through the packed model, as the runner computes them."""
-    runner = ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=4, block_size=16, num_threads=1), arch, weights)
+    return prompt_logits(ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=4, block_size=16, num_threads=1),
+                                     arch, weights))
+
+
+def prompt_logits(runner: ModelRunner) -> torch.Tensor:
     plan = SchedulerOutput(block_size=16, scheduled=[
         ScheduledRequest("r", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], 0, [0], True, SamplingParams(temperature=0.0))])
     with torch.inference_mode():
@@ -150,6 +155,67 @@ def test_the_cache_lives_beside_the_kernels_by_default(gguf, tmp_path, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     weight_cache.load_arch_and_weights(gguf)
     assert len(entries(tmp_path / "xdg" / "iterserve" / "weights")) == 1
+
+
+needs_panels = pytest.mark.skipif(cpu_kernels.linear_kernel() is None, reason="the panel kernel needs AVX-512")
+
+
+def runner_of(path: str, **kwargs) -> ModelRunner:
+    return ModelRunner(EngineConfig(model=path, num_kv_blocks=4, block_size=16, num_threads=1, **kwargs))
+
+
+def panels_of(runner: ModelRunner) -> list[torch.Tensor]:
+    model = runner.model
+    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return [w.panels for w in [*weights, model.lm_head] if isinstance(w, PanelWeight)]
+
+
+@needs_panels
+@pytest.mark.parametrize("dtype", ["float32", "bf16-storage"])
+def test_a_warm_start_maps_the_panels_a_cold_start_packed(gguf, cache, monkeypatch, dtype):
+    monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)  # the tiny GGUF has no vocabulary
+    cold = runner_of(gguf, dtype=dtype)
+    (file,) = entries(cache)[0].glob("panels-*.safetensors")
+    assert file.name == f"panels-{'float32' if dtype == 'float32' else 'bfloat16'}.safetensors"
+    read = []
+    real = weight_cache.LazyWeights.__getitem__
+    monkeypatch.setattr(weight_cache.LazyWeights, "__getitem__", lambda self, name: read.append(name) or real(self, name))
+    warm = runner_of(gguf, dtype=dtype)
+    # neither the packed floats nor the tied embedding are read: lookups gather from the head's panels
+    assert read and not [n for n in read if n.endswith(("_proj.weight", "lm_head.weight", "embed_tokens.weight"))]
+    assert warm.model.embed is None
+    assert str(file) in open_files()  # mapped, not copied
+    cold_panels, warm_panels = panels_of(cold), panels_of(warm)
+    assert len(cold_panels) == len(warm_panels) == 2 * 4 + 1
+    assert all(torch.equal(a, b) for a, b in zip(cold_panels, warm_panels))
+    assert torch.equal(prompt_logits(cold), prompt_logits(warm))
+
+
+@needs_panels
+def test_a_corrupt_or_foreign_panel_file_is_packed_again(gguf, cache, monkeypatch, caplog):
+    monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)
+    want = prompt_logits(runner_of(gguf, dtype="float32"))
+    (file,) = entries(cache)[0].glob("panels-*.safetensors")
+    good = file.read_bytes()
+    foreign = good.replace(b'"key":"tiny', b'"key":"tinz')  # same length: only the key is wrong
+    assert foreign != good
+    for bad in (good[: len(good) // 2], foreign):
+        file.write_bytes(bad)
+        with caplog.at_level(logging.WARNING, logger="iterserve.model"):
+            got = prompt_logits(runner_of(gguf, dtype="float32"))
+        assert "unreadable" in caplog.text and torch.equal(got, want)
+        key = f"{file.parent.name}-float32-{cpu_kernels.PANEL}"
+        assert len(weight_cache._map_panels(file, key)) == 2 * 4 + 1  # written again whole
+        caplog.clear()
+
+
+@needs_panels
+def test_quantized_and_uncached_models_write_no_panels(gguf, cache, monkeypatch):
+    monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)
+    runner_of(gguf, dtype="float32", quantization="int8")
+    assert not list(entries(cache)[0].glob("panels-*"))
+    monkeypatch.setenv("ITERSERVE_WEIGHT_CACHE", "0")
+    assert weight_cache.panel_cache(gguf, torch.float32, torch.device("cpu")) is None
 
 
 def test_the_cached_tokenizer_is_the_ggufs(default_model_path, tokenizer, cache, monkeypatch):
