@@ -151,38 +151,73 @@ def table(name: str, trace, done) -> list[dict]:
     return rows
 
 
-def simulated(args, trace, sim_steps: dict | None = None, host: dict[str, float] | None = None) -> list[dict]:
-    """The same trace through the simulator: colocated priced by --sim-profile (calibrated with --cores
-    threads), the P/D engines by --sim-pd-profile (one engine's threads, calibrated beside a second
-    calibration, as the engines run beside each other; the decode engines by --sim-decode-profile where
-    given), the KV hand-off at the host link's bandwidth. sim_steps: filled with each target's simulated
-    step records. host: seconds per step added to the colocated, prefill and decode engines' steps
-    (what host_time measured in the real run)."""
+def profile_paths(args) -> dict[str, str]:
+    """Each role's profile: colocated --sim-profile, the P/D engines --sim-pd-profile (default: the same),
+    the decode engines --sim-decode-profile where given."""
+    pd_profile = args.sim_pd_profile or args.sim_profile
+    return {"colocated": args.sim_profile, "prefill": pd_profile, "decode": args.sim_decode_profile or pd_profile}
+
+
+def simulated(args, trace, specs: dict[str, tuple], label: str = "", sim_steps: dict | None = None) -> list[dict]:
+    """The same trace through the simulator, each role's steps priced by its (model spec, hardware spec)
+    in specs (colocated: one engine of --cores threads; prefill and decode: one P/D engine's), the KV
+    hand-off at the prefill profile's host link. sim_steps: filled with each target's simulated step records."""
     from iterserve.bench.workload import Trace, TraceRequest
     from iterserve.sim.cli import make_engine, simulate_trace
     from iterserve.sim.disagg import run_disagg
-    from iterserve.sim.hardware import with_overrides
 
     def requests() -> Trace:
         return Trace([TraceRequest(str(i), len(ids), n, t, ids) for i, (t, _, ids, n) in enumerate(trace)])
 
-    def spec(path: str, role: str):
-        model, hw = sim_spec(path)
-        return model, with_overrides(hw, step_overhead_s=hw.step_overhead_s + (host or {}).get(role, 0.0))
-    suffix = " + host" if host else ""
     sim_config = EngineConfig(**config(args), model=None)
-    model, hw = spec(args.sim_profile, "colocated")
-    colocated = simulate_trace(requests(), sim_config, model, hw)
-    rows = sim_table(f"sim colocated ({args.cores} cores){suffix}", trace, colocated)
-    pd_profile = args.sim_pd_profile or args.sim_profile
-    model, hw = spec(pd_profile, "prefill")
-    d_model, d_hw = spec(args.sim_decode_profile or pd_profile, "decode")
+    colocated = simulate_trace(requests(), sim_config, *specs["colocated"])
+    rows = sim_table(f"sim colocated ({args.cores} cores){label}", trace, colocated)
+    (model, hw), (d_model, d_hw) = specs["prefill"], specs["decode"]
     x, y = parse_pd(args.pd)
     result = run_disagg(lambda: make_engine(sim_config, model, hw), x, y, requests(), hw.host_link_bandwidth,
                         make_decode_engine=lambda: make_engine(sim_config, d_model, d_hw))
     if sim_steps is not None:
         sim_steps["colocated"], sim_steps["pd"] = colocated.steps, result.steps
-    return rows + sim_table(f"sim {args.pd.upper()}{suffix}", trace, result)
+    return rows + sim_table(f"sim {args.pd.upper()}{label}", trace, result)
+
+
+def with_host(specs: dict[str, tuple], host: dict[str, float]) -> dict[str, tuple]:
+    """Each role's profile with host_time's seconds per step added to its fixed overhead."""
+    from iterserve.sim.hardware import with_overrides
+    return {role: (model, with_overrides(hw, step_overhead_s=hw.step_overhead_s + host[role]))
+            for role, (model, hw) in specs.items()}
+
+
+def fitted_to_run(trace, probes: dict, specs: dict[str, tuple]) -> tuple[dict[str, tuple], dict[str, float]]:
+    """Each role's profile refitted to the real run's own steps (step_check.fit_to_steps: every engine of
+    the role, each step with the busy gap after it), and each fit's RMS relative error."""
+    from iterserve.sim.step_check import fit_to_steps, shapes_from_records, step_rows
+    prompt_lens = {str(i): len(ids) for i, (_, _, ids, _) in enumerate(trace)}
+    rows: dict[str, list[dict]] = {role: [] for role in specs}
+    for target, probe in probes.items():
+        for name, records in probe["records"].items():
+            role = "colocated" if target == "colocated" else name.split("-")[0]
+            rows[role] += step_rows(shapes_from_records(records, prompt_lens))
+    fits, errors = {}, {}
+    for role, (model, hw) in specs.items():
+        fitted, errors[role] = fit_to_steps(model, hw, rows[role])
+        fits[role] = (model, fitted)
+    return fits, errors
+
+
+def save_fits(directory: str, fits: dict[str, tuple], errors: dict[str, float], paths: dict[str, str]) -> None:
+    """Each role's fitted profile as <directory>/<role>.json: its calibrated profile with the fitted
+    hardware, usable as --sim-profile / --sim-pd-profile / --sim-decode-profile of a later run."""
+    import os
+    os.makedirs(directory, exist_ok=True)
+    for role, (_, hw) in fits.items():
+        with open(paths[role]) as f:
+            profile = json.load(f)
+        profile["hardware"] = hw.to_json()
+        profile["fitted_to_run"] = {"role": role, "rms_rel_error": errors[role], "calibrated": paths[role],
+                                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        with open(os.path.join(directory, f"{role}.json"), "w") as f:
+            json.dump(profile, f, indent=2)
 
 
 def host_time(trace, probes: dict) -> dict[str, float]:
@@ -216,8 +251,7 @@ def print_checks(args, trace, probes: dict, sim_steps: dict) -> None:
     from iterserve.sim.cost_model import CostModel
     from iterserve.sim.step_check import check_steps, format_check, shapes_from_records
     prompt_lens = {str(i): len(ids) for i, (_, _, ids, _) in enumerate(trace)}
-    pd_profile = args.sim_pd_profile or args.sim_profile
-    profiles = {"colocated": args.sim_profile, "prefill": pd_profile, "decode": args.sim_decode_profile or pd_profile}
+    profiles = profile_paths(args)
     for target, probe in probes.items():
         load = "" if probe.get("load") is None else f"; load average {probe['load']:.1f} at its end"
         load += f"; {probe['preemptions']} preemptions (the rows misprice their recomputation)" \
@@ -267,6 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "print, per engine and step kind, real vs priced time and the time between steps, beside the "
                    "simulator's steps and each process's CPU use, then simulate again with the time between "
                    "steps and the P/D front's CPU added to each engine's steps ('+ host' rows; needs --sim-profile)")
+    p.add_argument("--fit-to-run", action="store_true", help="with --check-steps: also refit each role's profile "
+                   "to the real run's own steps (each with the busy gap after it) and simulate again with those "
+                   "('fit to run' rows): the simulator's error once its step prices are the run's")
+    p.add_argument("--save-fits", default=None, metavar="DIR", help="with --fit-to-run: write the fitted profiles "
+                   "as DIR/colocated.json, prefill.json and decode.json, for a later run's --sim-*-profile flags")
     return p
 
 
@@ -275,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.check_steps and not args.sim_profile:
         p.error("--check-steps prices the real steps with --sim-profile: give it")
+    if (args.fit_to_run or args.save_fits) and not args.check_steps:
+        p.error("--fit-to-run and --save-fits fit the real steps --check-steps records: give it")
     trace = make_trace(args)
     print(f"$ python benchmarks/pd_mixed.py {shlex.join(sys.argv[1:] if argv is None else argv)}")
     print(f"{sum(r[1] == 'chat' for r in trace)} chats of {args.chat_len}+{args.chat_output} tokens, "
@@ -285,23 +326,37 @@ def main(argv: list[str] | None = None) -> int:
                   run_pd(args, trace, probes.get("pd")))
     sim_steps: dict = {}
     real_rows, host = list(rows), host_time(trace, probes) if probes else None
-    for extra in ([None, host] if host else [None]) if args.sim_profile else []:
-        for real, sim in zip(real_rows, simulated(args, trace, sim_steps if extra is None else None, extra)):
+    runs = []
+    if args.sim_profile:
+        specs = {role: sim_spec(path) for role, path in profile_paths(args).items()}
+        runs.append(("", specs))
+        if host:
+            runs.append((" + host", with_host(specs, host)))
+        if args.fit_to_run:
+            fits, fit_errors = fitted_to_run(trace, probes, specs)
+            runs.append((" fit to run", fits))
+            if args.save_fits:
+                save_fits(args.save_fits, fits, fit_errors, profile_paths(args))
+    for label, specs in runs:
+        for real, sim in zip(real_rows, simulated(args, trace, specs, label, sim_steps if not label else None)):
             sim["err_tpot_p99"] = _err(sim["tpot_p99_s"], real["tpot_p99_s"])  # each row against its real twin
             sim["err_ttft_mean"] = _err(sim["ttft_mean_s"], real["ttft_mean_s"])
             rows.append(sim)
     ms = lambda v: "-" if v is None else f"{v * 1e3:.1f}"  # noqa: E731
     pct = lambda v: "" if v is None else f"{v:+.1%}"  # noqa: E731
-    print(f"{'target':<32} {'kind':<5} {'n':>4} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12} {'TTFT mean ms':>13}"
+    print(f"{'target':<36} {'kind':<5} {'n':>4} {'TPOT p50 ms':>12} {'TPOT p99 ms':>12} {'TTFT mean ms':>13}"
           f"{'2nd token ms':>13}" + (f"{'sim err p99':>13}{'sim err TTFT':>14}" if args.sim_profile else ""))
     for r in rows:
-        print(f"{r['target']:<32} {r['kind']:<5} {r['n']:>4} {ms(r['tpot_p50_s']):>12} {ms(r['tpot_p99_s']):>12} "
+        print(f"{r['target']:<36} {r['kind']:<5} {r['n']:>4} {ms(r['tpot_p50_s']):>12} {ms(r['tpot_p99_s']):>12} "
               f"{ms(r['ttft_mean_s']):>13}{ms(r.get('second_token_mean_s')):>13}"
               f"{pct(r.get('err_tpot_p99')):>13}{pct(r.get('err_ttft_mean')):>14}")
     if probes:
         print_checks(args, trace, probes, sim_steps)
         print("unpriced host time per step added in the '+ host' rows: "
               + ", ".join(f"{role} {t * 1e3:.2f} ms" for role, t in host.items()))
+        if args.fit_to_run:
+            print("profiles fitted to the run's steps ('fit to run' rows), RMS relative error per step: "
+                  + ", ".join(f"{role} {e:.1%}" for role, e in fit_errors.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": sys.argv[1:], "rows": rows}, f, indent=2)

@@ -269,10 +269,10 @@ def measure_host_overhead(tokenizer, batch_sizes: list[int], steps: int = 40) ->
 
 # ---------------------------------------------------------------- fit
 
-def _roofline_times(model: ModelSpec, hw: HardwareSpec, rows: list[dict]) -> np.ndarray:
-    """Each row's modelled time without the overheads (those are solved for separately)."""
-    cm = CostModel(model, hw)
-    return np.array([cm.breakdown(r["q_lens"], r["ctx_lens"]).total_s - cm.fixed_overhead for r in rows])
+def _part_times(model: ModelSpec, base: HardwareSpec, rows: list[dict], part: str, **efficiencies) -> np.ndarray:
+    """Each row's modelled seconds in one part of the step (linear_s or attention_s) at these efficiencies."""
+    cm = CostModel(model, replace(base, **efficiencies))
+    return np.array([getattr(cm.breakdown(r["q_lens"], r["ctx_lens"]), part) for r in rows])
 
 
 # Above 1: a prefetched read of packed weights over huge pages outruns the copy the bandwidth is
@@ -294,15 +294,22 @@ def fit_profile(model: ModelSpec, base: HardwareSpec, rows: list[dict]) -> tuple
     best = (float("inf"), base)
     zero = {"step_overhead_s": 0.0, "layer_overhead_s": 0.0, "seq_overhead_s": 0.0, "mixed_step_overhead_s": 0.0,
             "mixed_seq_overhead_s": 0.0}
-    for mem, lin, att, att_mem in itertools.product(EFFICIENCY_GRID, EFFICIENCY_GRID, ATTENTION_GRID, ATTENTION_GRID):
-        hw = replace(base, mem_efficiency=mem, flops_efficiency=lin, attn_efficiency=att, attn_mem_efficiency=att_mem,
-                     **zero)
-        roof = _roofline_times(model, hw, pure)
+    # the linear part depends on the memory and linear efficiencies only, attention on its own two:
+    # each is priced once per pair of its own, and the grid adds them
+    linear = {(mem, lin): _part_times(model, base, pure, "linear_s", mem_efficiency=mem, flops_efficiency=lin)
+              for mem, lin in itertools.product(EFFICIENCY_GRID, EFFICIENCY_GRID)}
+    attention = {(att, att_mem): _part_times(model, base, pure, "attention_s", attn_efficiency=att,
+                                             attn_mem_efficiency=att_mem)
+                 for att, att_mem in itertools.product(ATTENTION_GRID, ATTENTION_GRID)}
+    for (mem, lin), (att, att_mem) in itertools.product(linear, attention):
+        roof = linear[mem, lin] + attention[att, att_mem]
         coef, *_ = np.linalg.lstsq(a, (y - roof) / y, rcond=None)
         coef = np.maximum(coef, 0.0)
         pred = roof + coef[0] + coef[1] * batch
         err = float(np.sum(((pred - y) / y) ** 2))
         if err < best[0]:
+            hw = replace(base, mem_efficiency=mem, flops_efficiency=lin, attn_efficiency=att,
+                         attn_mem_efficiency=att_mem, **zero)
             best = (err, replace(hw, step_overhead_s=float(coef[0]), seq_overhead_s=float(coef[1])))
     err, hw = best
     mixed = [r for r in rows if r["kind"] == "mixed"]
