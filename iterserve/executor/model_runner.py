@@ -65,7 +65,7 @@ def storage_dtype(name: str, device: torch.device, quantization: str | None = No
     compute = pick_dtype(name, device)
     if name == "bf16-storage":
         if device.type != "cpu" or linear_kernel() is None:
-            raise ValueError("--dtype bf16-storage needs the CPU's AVX-512 linear kernel (cpu_linear.cpp); "
+            raise ValueError("--dtype bf16-storage needs the CPU linear kernel (cpu_linear.cpp: AVX-512, or AVX2 with FMA); "
                              "use --dtype float32 or bfloat16 here")
         if quantization is not None:
             raise ValueError("--dtype bf16-storage keeps float weights; with --quantization use --dtype float32")

@@ -284,7 +284,7 @@ def write_kv_int8(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
 
 @functools.cache
 def linear_kernel(extra_flags: tuple[str, ...] = ()):
-    """cpu_linear.cpp's function, or None where it cannot be built or this build lacks AVX-512."""
+    """cpu_linear.cpp's function, or None where it cannot be built or this build has neither AVX-512 nor AVX2 with FMA."""
     lib = _build(LINEAR_SOURCE, [*FLAGS, *extra_flags])
     fn = _bind(lib, "iterserve_linear", [_i32, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i32], _i32)
     supported = _bind(lib, "iterserve_linear_supported", [], _i32)

@@ -13,8 +13,9 @@
 // float32 and rounded once at the end, as torch's bf16 matmul does. On a CPU without AVX-512 BF16
 // that halves the bytes a step reads, at float32's arithmetic cost.
 //
-// AVX-512 only: iterserve_linear_supported() says whether this build has it; otherwise quant.py keeps
-// oneDNN's packed weights.
+// AVX-512, or AVX2 with FMA (kPanel is then four 8-lane vectors, and a register tile at most 6 rows by
+// 16 columns, what its 16 registers hold): iterserve_linear_supported() says whether this build has
+// either; otherwise quant.py keeps oneDNN's packed weights.
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -23,11 +24,17 @@
 
 namespace {
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define ITERSERVE_LINEAR 1
+#include <immintrin.h>
+#endif
+
+constexpr int kPanel = 32;           // outputs per panel: two AVX-512 vectors, or four AVX2 ones
+constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream
+
 #if defined(__AVX512F__)
 
-constexpr int kPanel = 32;           // outputs per panel: two AVX-512 vectors
-constexpr int kRows = 12;            // rows per register tile: 24 accumulators, 2 weight vectors, 1 broadcast
-constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream
+constexpr int kRows = 12;  // rows per register tile: 24 accumulators, 2 weight vectors, 1 broadcast
 
 inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen(const uint16_t* p) { return load16(p); }
@@ -45,8 +52,9 @@ inline void store_masked(uint16_t* p, __mmask16 m, __m512 v) {
 // values together. The prefetch runs kPrefetch bytes ahead of the panel (a thread's panels are one
 // stream); on a panel's later tiles it finds the lines cached already.
 template <int R, bool Packed, typename W, typename T>
-inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, __mmask16 lo, __mmask16 hi,
-                 const T* bias) {
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid, const T* bias) {
+    const __mmask16 lo = valid >= 16 ? 0xffff : __mmask16((1u << valid) - 1);
+    const __mmask16 hi = valid >= 32 ? 0xffff : valid <= 16 ? 0 : __mmask16((1u << (valid - 16)) - 1);
     __m512 a0[R], a1[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
@@ -74,15 +82,94 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64
     }
 }
 
-template <bool Packed, typename W, typename T>
-void tile_rows(int rows, const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, __mmask16 lo,
-               __mmask16 hi, const T* bias) {
-    switch (rows) {
-#define ROWS(R) case R: tile<R, Packed>(x, ldx, w, K, y, ldy, lo, hi, bias); break;
-        ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) ROWS(9) ROWS(10) ROWS(11) ROWS(12)
-#undef ROWS
+#elif defined(ITERSERVE_LINEAR)  // AVX2 + FMA
+
+constexpr int kRows = 6;  // rows per register tile (see tile below)
+
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {  // from_f32 on 8 lanes, as cpu_common.h's bf16_bits does on 16
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i bits = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);  // lanes 0-3, 4-7
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// As the AVX-512 tile, over 8-lane vectors: V of them, the columns c0 .. c0 + 8V of the panel (w, y and
+// bias start at c0; `valid` counts from there). Columns past the matrix's N are summed too (the
+// padding is zeros) and only the valid ones stored.
+template <int R, int V, bool Packed, typename W, typename T>
+inline void tile_columns(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid,
+                         const T* bias) {
+    __m256 a[R][V];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) a[r][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const W* wk = w + k * kPanel;
+        for (size_t b = 0; b < 8 * V * sizeof(W); b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch + b, _MM_HINT_T0);
+        __m256 wv[V];
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) wv[v] = widen8(wk + 8 * v);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const __m256 xb = _mm256_broadcast_ss(Packed ? x + k * R + r : x + r * ldx + k);
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) a[r][v] = _mm256_fmadd_ps(xb, wv[v], a[r][v]);
+        }
     }
-    static_assert(kRows == 12, "one case per tile height");
+    float b[8 * V] = {};
+    if (bias)
+        for (int j = 0; j < valid; ++j) b[j] = to_f32(bias[j]);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+        T* yr = y + r * ldy;
+        if (valid == 8 * V) {
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) store8(yr + 8 * v, bias ? _mm256_add_ps(a[r][v], _mm256_loadu_ps(b + 8 * v)) : a[r][v]);
+        } else {
+            float row[8 * V];
+            for (int v = 0; v < V; ++v) _mm256_storeu_ps(row + 8 * v, _mm256_add_ps(a[r][v], _mm256_loadu_ps(b + 8 * v)));
+            for (int j = 0; j < valid; ++j) from_f32(row[j], yr + j);
+        }
+    }
+}
+
+// Up to 3 rows take the panel's 32 columns in one pass (12 accumulators, 4 weight vectors): a small
+// batch streams each panel once. 4-6 rows take it in two passes of 16 columns, the classic 6 x 16
+// AVX2 register tile: 2 weight loads and 6 broadcasts per 12 FMAs, where 3 x 32 needs 12 loads
+// (the compiler folds each weight load into its FMA rather than hold it in the 16th register).
+template <int R, bool Packed, typename W, typename T>
+inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid, const T* bias) {
+    if constexpr (R <= 3) {
+        tile_columns<R, 4, Packed>(x, ldx, w, K, y, ldy, valid, bias);
+    } else {
+        tile_columns<R, 2, Packed>(x, ldx, w, K, y, ldy, std::min(valid, 16), bias);
+        if (valid > 16)
+            tile_columns<R, 2, Packed>(x, ldx, w + 16, K, y + 16, ldy, valid - 16, bias ? bias + 16 : nullptr);
+    }
+}
+
+#endif
+
+#if defined(ITERSERVE_LINEAR)
+
+// A tile of 1 .. kRows rows: R, the register tile's height, is a compile-time constant.
+template <bool Packed, int R = 1, typename W, typename T>
+void tile_rows(int rows, const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid,
+               const T* bias) {
+    if (rows == R)
+        tile<R, Packed>(x, ldx, w, K, y, ldy, valid, bias);
+    else if constexpr (R < kRows)
+        tile_rows<Packed, R + 1>(rows, x, ldx, w, K, y, ldy, valid, bias);
 }
 
 // x [M, K] (rows ldx apart) @ W^T (+ bias) -> y [M, N] contiguous, all of type T; W's panels as above.
@@ -113,20 +200,19 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
         }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < num_panels; ++p) {
-            const int64_t n0 = p * kPanel, valid = std::min<int64_t>(kPanel, N - n0);
-            const __mmask16 lo = valid >= 16 ? 0xffff : __mmask16((1u << valid) - 1);
-            const __mmask16 hi = valid >= 32 ? 0xffff : valid <= 16 ? 0 : __mmask16((1u << (valid - 16)) - 1);
+            const int64_t n0 = p * kPanel;
+            const int valid = int(std::min<int64_t>(kPanel, N - n0));
             const W* w = panels + p * K * kPanel;
             const T* b = bias ? bias + n0 : nullptr;
             for (int64_t t = 0; t < tiles; ++t) {
                 const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
                 if constexpr (in_place) {
                     if (!packed) {
-                        tile_rows<false>(int(rows), reinterpret_cast<const float*>(x), ldx, w, K, y + n0, N, lo, hi, b);
+                        tile_rows<false>(int(rows), reinterpret_cast<const float*>(x), ldx, w, K, y + n0, N, valid, b);
                         continue;
                     }
                 }
-                tile_rows<true>(int(rows), xp + m0 * K, 0, w, K, y + m0 * N + n0, N, lo, hi, b);
+                tile_rows<true>(int(rows), xp + m0 * K, 0, w, K, y + m0 * N + n0, N, valid, b);
             }
         }
     }
@@ -139,7 +225,7 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
 extern "C" {
 
 int iterserve_linear_supported() {
-#if defined(__AVX512F__)
+#if defined(ITERSERVE_LINEAR)
     return 1;
 #else
     return 0;
@@ -151,7 +237,7 @@ int iterserve_linear_supported() {
 // run it.
 int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, const void* bias, void* y,
                      int64_t M, int64_t N, int64_t K, int num_threads) {
-#if defined(__AVX512F__)
+#if defined(ITERSERVE_LINEAR)
     if (dtype == 0)
         linear(static_cast<const float*>(x), ldx, static_cast<const float*>(panels), static_cast<const float*>(bias),
                static_cast<float*>(y), M, N, K, num_threads);

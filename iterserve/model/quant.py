@@ -22,7 +22,7 @@ int4 layers + int8 head gave float32's 16 greedy tokens exactly on 8 of 10 (int8
 all within the check: per-row int8 re-rounds the Q4_1 grid, int4 group-32 reproduces it).
 
 Float weights on CPU are packed too, without quantizing: one copy, in one layout. Where the C++
-linear kernel builds (cpu_linear.cpp, AVX-512), float32 weights go into its panels: at a small
+linear kernel builds (cpu_linear.cpp: AVX-512 or AVX2), float32 weights go into its panels: at a small
 batch it streams them at memory speed, where oneDNN's GEMV reaches only part of that, and the same
 layout serves large batches. So do bfloat16 weights on a CPU without native bf16 (AVX-512 BF16 or
 AMX), where oneDNN emulates bf16 slowly: the kernel widens them in registers and computes in

@@ -266,7 +266,7 @@ class PanelCache:
     hypervisor in a virtual machine. A miss packs as before and writes the file for the next start.
 
     The panels are a pure function of the entry's floats, the dtype and PANEL: not of the CPU, beyond
-    its having the kernel (AVX-512), which panel_cache checks as pack_float does."""
+    its having the kernel (AVX-512 or AVX2), which panel_cache checks as pack_float does."""
 
     def __init__(self, file: Path, key: str) -> None:
         self.file, self.key = file, key

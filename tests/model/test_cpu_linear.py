@@ -23,7 +23,9 @@ from iterserve.sampling_params import SamplingParams
 from tests.model.test_llama import tiny_checkpoint
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.linear_kernel() is None, reason="cpu_linear.cpp not built here (no "
-                                  "compiler or no AVX-512)")
+                                  "compiler, or neither AVX-512 nor AVX2)")
+# this CPU's build, and the AVX2 one (the same build where the CPU has no AVX-512)
+BUILDS = pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)], ids=["native", "avx2"])
 
 # (rows, outputs, inputs): one row (decode), a tile's worth, several tiles of unequal height (13 = 6 + 7),
 # outputs short of a panel and not a multiple of 16, odd inputs, a single output, no rows at all
@@ -31,26 +33,30 @@ SHAPES = [(1, 64, 64), (1, 33, 17), (5, 200, 96), (12, 1, 1), (13, 100, 301), (4
 
 
 @needs_kernel
+@BUILDS
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_float32_matches_f_linear(m, n, k):
+def test_float32_matches_f_linear(m, n, k, flags):
+    kernel = cpu_kernels.linear_kernel(flags)
     torch.manual_seed(m * 1000 + n + k)
     w, bias = torch.randn(n, k), torch.randn(n)
     x = torch.randn(m, 3, k)[:, 1]  # rows strided, as a slice of a wider activation
     panels = cpu_kernels.pack_panels(w)
     assert panels.shape == (-(-n // cpu_kernels.PANEL), k, cpu_kernels.PANEL)
     for b in (None, bias):
-        got = cpu_kernels.linear(x, panels, n, b)
+        got = cpu_kernels.linear(x, panels, n, b, kernel)
         assert got.shape == (m, n) and got.is_contiguous()
         torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5 * k ** 0.5, rtol=1e-5)
 
 
 @needs_kernel
+@BUILDS
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_bfloat16_is_summed_in_float32_and_rounded_once(m, n, k):
+def test_bfloat16_is_summed_in_float32_and_rounded_once(m, n, k, flags):
+    kernel = cpu_kernels.linear_kernel(flags)
     """bf16 in and out: the float32 product of the bf16 values, plus bias, rounded to bf16 once."""
     torch.manual_seed(m + n + k)
     w, x, bias = (torch.randn(*s).bfloat16() for s in ((n, k), (m, k), (n,)))
-    got = cpu_kernels.linear(x, cpu_kernels.pack_panels(w), n, bias)
+    got = cpu_kernels.linear(x, cpu_kernels.pack_panels(w), n, bias, kernel)
     want = F.linear(x.float(), w.float(), bias.float()).bfloat16()
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=2 ** -7)  # a last-bit flip at most
@@ -58,8 +64,10 @@ def test_bfloat16_is_summed_in_float32_and_rounded_once(m, n, k):
 
 
 @needs_kernel
+@BUILDS
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_bfloat16_panels_under_float32_activations(m, n, k):
+def test_bfloat16_panels_under_float32_activations(m, n, k, flags):
+    kernel = cpu_kernels.linear_kernel(flags)
     """bf16-storage: bf16 weights widened exactly, float32 x, bias and y: F.linear on the widened weights."""
     torch.manual_seed(7 * m + n + k)
     w, bias = torch.randn(n, k).bfloat16(), torch.randn(n)
@@ -67,7 +75,7 @@ def test_bfloat16_panels_under_float32_activations(m, n, k):
     panels = cpu_kernels.pack_panels(w)
     assert panels.dtype == torch.bfloat16
     for b in (None, bias):
-        got = cpu_kernels.linear(x, panels, n, b)
+        got = cpu_kernels.linear(x, panels, n, b, kernel)
         assert got.dtype == torch.float32 and got.shape == (m, n)
         torch.testing.assert_close(got, F.linear(x, w.float(), b), atol=1e-5 * k ** 0.5, rtol=1e-5)
     packed = pack_float(w, panels=True)
@@ -136,8 +144,8 @@ def test_without_cpu_kernels_the_engine_runs_on_onednn_weights(tiny):
 
 
 @pytest.mark.skipif(cpu_kernels.elementwise_ops() is None, reason="no C++ compiler here")
-def test_a_build_without_avx512_declines_and_the_weights_stay_onednns(monkeypatch):
-    assert cpu_kernels.linear_kernel(("-mno-avx512f",)) is None
+def test_a_build_without_avx2_declines_and_the_weights_stay_onednns(monkeypatch):
+    assert cpu_kernels.linear_kernel(("-mno-avx2", "-mno-avx512f")) is None
     monkeypatch.setattr(cpu_kernels, "linear_kernel", lambda: None)
     assert not isinstance(pack_float(torch.randn(64, 32)), PanelWeight)
 
