@@ -4,8 +4,8 @@
 // Decode: one query token per sequence attends to its whole context, read through its block table
 // in place: no gather into a padded buffer (which moved every K/V byte three times), one pass over
 // K and one over V, in float32 with the softmax taken over the whole row. The portable loops take
-// (sequence, kv head) pairs as work items; the AVX-512 path whole sequences (attend_seq_avx512), or,
-// when there are fewer sequences than threads, slices of long contexts merged after (decode_avx512).
+// (sequence, kv head) pairs as work items; the AVX-512 and AVX2 paths whole sequences (attend_seq), or,
+// when there are fewer sequences than threads, slices of long contexts merged after (decode_simd).
 //
 // A windowed layer (sliding-window attention) reads only the blocks that reach into each sequence's
 // window: the table and length handed to the per-sequence code start at the block holding the
@@ -122,6 +122,17 @@ void attend_one(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
         for (int d = 0; d < D; ++d) from_f32(acc[g * D + d] * inv[g], out + (h * G + g) * D + d);
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define ITERSERVE_SIMD_DECODE 1
+// Software prefetch into L2, a row 16 positions ahead of the one being read: scattered blocks
+// defeat the hardware prefetcher, and a whole block prefetched at once into L1 runs out of miss
+// buffers (measured: K read at ~22 GB/s instead of ~10 over scattered blocks).
+inline void prefetch_l2(const void* p, size_t bytes) {
+    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
+}
+
+#endif
+
 #if defined(__AVX512F__)
 // The same computation with AVX-512 for head_dim a multiple of 16 (the common 64 and 128): each
 // K/V row is loaded and widened to float once and used by all G query heads; exp is vectorized.
@@ -173,20 +184,13 @@ template <int D> struct Dot<D, uint16_t, uint16_t> {  // bf16 pairs straight fro
 };
 #endif
 
-// Software prefetch into L2, a row 16 positions ahead of the one being read: scattered blocks
-// defeat the hardware prefetcher, and a whole block prefetched at once into L1 runs out of miss
-// buffers (measured: K read at ~22 GB/s instead of ~10 over scattered blocks).
-inline void prefetch_l2(const void* p, size_t bytes) {
-    for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
-}
-
 // One sequence (or one slice of it), all heads. The K pass reads each cache slot (all kv heads of one
 // position) whole and in order and scores 16 positions per vector; the P.V pass goes block by block
-// (below). With `part` (a slice of a split context, see decode_avx512) the result goes there in
+// (below). With `part` (a slice of a split context, see decode_simd) the result goes there in
 // float32 instead of to out, [H][D] normalized within the slice, then each head's score max and
 // exp-sum: [H][2].
 template <int D, typename T, typename KV>
-void attend_seq_avx512(const T* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int seq_len,
+void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int seq_len,
                        T* out, int num_kv_heads, int G, int block_size, float scale, std::vector<float>& scores,
                        int skip, float softcap, float* part = nullptr) {
     constexpr int C = D / 16, W = D + CacheRow<KV>::extra;
@@ -313,26 +317,166 @@ void attend_seq_avx512(const T* q, const KV* k_cache, const KV* v_cache, const i
         }
 }
 
-// A split context's slices merged, per head: each slice's output weighted by its exp-sum rescaled
-// to the common max (the flash-decoding reduction).
-template <int D, typename T>
-void merge_slices(const float* parts, int num_parts, int H, T* out) {
-    const size_t stride = size_t(H) * (D + 2);
-    for (int g = 0; g < H; ++g) {
-        float top = -INFINITY;
-        for (int i = 0; i < num_parts; ++i) top = std::max(top, parts[i * stride + size_t(H) * D + 2 * g]);
-        float w[kMaxSlices], total = 0.f;
-        for (int i = 0; i < num_parts; ++i) {
-            const float* ml = parts + i * stride + size_t(H) * D + 2 * g;
-            w[i] = ml[1] * std::exp(ml[0] - top);
-            total += w[i];
+#elif defined(ITERSERVE_SIMD_DECODE)
+// The same computation with AVX2 (8 lanes) for head_dim 64 and 128: 8 positions scored per vector.
+// Without bf16 dot products, a bf16 (or int8) cache's K rows are widened once per 8 positions and kv
+// head into `wide` (in L1) for all G query heads, as AVX-512 does for int8 only.
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// a[0..7] -> one vector of their 8 horizontal sums, in order.
+inline __m256 reduce8(const __m256* a) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline __m256 exp8(__m256 x) {  // as exp16, 2^n built in the exponent bits (no scalef in AVX2)
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5403530e-4f);
+    for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// See the AVX-512 attend_seq: the same passes, the same `part` output for a slice of a split context.
+template <int D, typename T, typename KV>
+void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int seq_len, T* out,
+                int num_kv_heads, int G, int block_size, float scale, std::vector<float>& scores, int skip,
+                float softcap, float* part = nullptr) {
+    constexpr int C = D / 8, W = D + CacheRow<KV>::extra;
+    constexpr bool widened = !std::is_same_v<KV, float>;
+    const int H = num_kv_heads * G;
+    const size_t row = size_t(num_kv_heads) * W;
+    alignas(32) float qs[kMaxHeads * D];  // the queries, scaled, in float32
+    for (int i = 0; i < H * D; ++i) qs[i] = to_f32(q[i]) * scale;
+    alignas(32) float wide[widened ? 8 * D : 1];
+    const int padded = (seq_len + 7) & ~7;
+    scores.resize(size_t(H) * padded);
+    float* s = scores.data();
+    const int num_blocks = (seq_len + block_size - 1) / block_size;
+    const size_t row_bytes = row * sizeof(KV);
+    auto row_at = [&](const KV* cache, int p) {
+        return cache + (size_t(table[p / block_size]) * block_size + p % block_size) * row;
+    };
+    for (int p = 0; p < 16 && p < seq_len; ++p) prefetch_l2(row_at(k_cache, p), row_bytes);
+    const KV* rows[8];
+    __m256 partial[8];
+    for (int p0 = 0; p0 < seq_len; p0 += 8) {  // 8 positions at a time, one score per lane
+        for (int r = 0; r < 8; ++r) {
+            const int p = p0 + r < seq_len ? p0 + r : seq_len - 1;  // past the end: any valid row
+            rows[r] = row_at(k_cache, p);
+            const int ahead = p0 + r + 16;  // on into V's first rows at the end
+            if (ahead < seq_len) prefetch_l2(row_at(k_cache, ahead), row_bytes);
+            else if (ahead < 2 * seq_len) prefetch_l2(row_at(v_cache, ahead - seq_len), row_bytes);
         }
-        for (int d = 0; d < D; ++d) {
-            float acc = 0.f;
-            for (int i = 0; i < num_parts; ++i) acc += w[i] * parts[i * stride + g * D + d];
-            from_f32(acc / total, out + g * D + d);
+        for (int h = 0; h < num_kv_heads; ++h) {
+            const float* k_rows[8];
+            alignas(32) float ks[8];
+            for (int r = 0; r < 8; ++r) {
+                const KV* k = rows[r] + h * W;
+                ks[r] = CacheRow<KV>::scale(k, D);
+                if constexpr (widened) {
+                    for (int c = 0; c < C; ++c) _mm256_store_ps(wide + r * D + 8 * c, load8(k + 8 * c));
+                    k_rows[r] = wide + r * D;
+                } else {
+                    k_rows[r] = reinterpret_cast<const float*>(k);
+                }
+            }
+            const __m256 row_scale = _mm256_load_ps(ks);
+            for (int g = h * G; g < (h + 1) * G; ++g) {
+                const float* qg = qs + g * D;
+                for (int r = 0; r < 8; ++r) {
+                    __m256 a = _mm256_mul_ps(_mm256_load_ps(qg), _mm256_loadu_ps(k_rows[r]));
+                    for (int c = 1; c < C; ++c)
+                        a = _mm256_fmadd_ps(_mm256_load_ps(qg + 8 * c), _mm256_loadu_ps(k_rows[r] + 8 * c), a);
+                    partial[r] = a;
+                }
+                _mm256_storeu_ps(s + size_t(g) * padded + p0, _mm256_mul_ps(reduce8(partial), row_scale));
+            }
         }
     }
+    if (skip > 0 || softcap > 0.f)
+        for (int g = 0; g < H; ++g) cap_and_mask(s + size_t(g) * padded, seq_len, skip, softcap);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    float inv[kMaxHeads];
+    for (int g = 0; g < H; ++g) {
+        float* sg = s + size_t(g) * padded;
+        float max_score = -INFINITY;
+        for (int p = 0; p < seq_len; ++p) max_score = sg[p] > max_score ? sg[p] : max_score;
+        const __m256 mx = _mm256_set1_ps(max_score);
+        __m256 sum = _mm256_setzero_ps();
+        for (int p = 0; p < seq_len; p += 8) {  // lanes past seq_len are zeroed: padding, not positions
+            const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(seq_len - p), lane));
+            const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + p), mx)), valid);
+            _mm256_storeu_ps(sg + p, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        const float total = hsum8(sum);
+        inv[g] = 1.f / total;
+        if (part) {
+            part[size_t(H) * D + 2 * g] = max_score;
+            part[size_t(H) * D + 2 * g + 1] = total;
+        }
+    }
+    // P.V block by block, as AVX-512 does, in column strips of 16: a tile of up to 6 query heads of one
+    // kv head holds 12 accumulators, 2 V vectors and 1 broadcast in the 16 registers.
+    constexpr int TG = 6;
+    alignas(32) float acc_mem[kMaxHeads * D];
+    for (int i = 0; i < H * D; ++i) acc_mem[i] = 0.f;
+    for (int j = 0; j < num_blocks; ++j) {
+        const int p0 = j * block_size, m = seq_len - p0 < block_size ? seq_len - p0 : block_size;
+        for (int h = 0; h < num_kv_heads; ++h) {
+            const KV* vb = v_cache + size_t(table[j]) * block_size * row + h * W;
+            for (int c0 = 0; c0 < D; c0 += 16)
+                for (int g0 = h * G; g0 < (h + 1) * G; g0 += TG) {
+                    const int n = (h + 1) * G - g0 < TG ? (h + 1) * G - g0 : TG;
+                    __m256 acc[TG][2];
+                    for (int t = 0; t < TG; ++t)
+                        for (int c = 0; c < 2; ++c)
+                            acc[t][c] = t < n ? _mm256_load_ps(acc_mem + (g0 + t) * D + c0 + 8 * c)
+                                              : _mm256_setzero_ps();
+                    for (int i = 0; i < m; ++i) {
+                        const int p = p0 + i;
+                        if (h == 0 && c0 == 0 && g0 == 0 && p + 16 < seq_len)
+                            prefetch_l2(row_at(v_cache, p + 16), row_bytes);
+                        const KV* v = vb + i * row;
+                        const __m256 v0 = load8(v + c0), v1 = load8(v + c0 + 8);
+                        const float vs = CacheRow<KV>::scale(v, D);  // 1 for a plain cache
+                        for (int t = 0; t < TG; ++t) {
+                            if (t >= n) break;
+                            const __m256 w = _mm256_set1_ps(s[size_t(g0 + t) * padded + p] * vs);
+                            acc[t][0] = _mm256_fmadd_ps(w, v0, acc[t][0]);
+                            acc[t][1] = _mm256_fmadd_ps(w, v1, acc[t][1]);
+                        }
+                    }
+                    for (int t = 0; t < n; ++t)
+                        for (int c = 0; c < 2; ++c) _mm256_store_ps(acc_mem + (g0 + t) * D + c0 + 8 * c, acc[t][c]);
+                }
+        }
+    }
+    for (int g = 0; g < H; ++g)
+        for (int d = 0; d < D; ++d) {
+            const float o = acc_mem[g * D + d] * inv[g];
+            if (part) part[g * D + d] = o;
+            else from_f32(o, out + g * D + d);
+        }
 }
 #endif
 
@@ -468,12 +612,33 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(ITERSERVE_SIMD_DECODE)
+// A split context's slices merged, per head: each slice's output weighted by its exp-sum rescaled
+// to the common max (the flash-decoding reduction).
+template <int D, typename T>
+void merge_slices(const float* parts, int num_parts, int H, T* out) {
+    const size_t stride = size_t(H) * (D + 2);
+    for (int g = 0; g < H; ++g) {
+        float top = -INFINITY;
+        for (int i = 0; i < num_parts; ++i) top = std::max(top, parts[i * stride + size_t(H) * D + 2 * g]);
+        float w[kMaxSlices], total = 0.f;
+        for (int i = 0; i < num_parts; ++i) {
+            const float* ml = parts + i * stride + size_t(H) * D + 2 * g;
+            w[i] = ml[1] * std::exp(ml[0] - top);
+            total += w[i];
+        }
+        for (int d = 0; d < D; ++d) {
+            float acc = 0.f;
+            for (int i = 0; i < num_parts; ++i) acc += w[i] * parts[i * stride + g * D + d];
+            from_f32(acc / total, out + g * D + d);
+        }
+    }
+}
 // Work items are whole sequences, except when there are too few of them to keep every thread busy
 // (a single long chat): then a context is cut into slices of whole blocks, at most one per thread
 // and one per kMinSlice positions, attended apart and merged.
 template <int D, typename T, typename KV>
-void decode_avx512(const T* q, int64_t q_stride, const KV* k_cache, const KV* v_cache, const int32_t* block_tables,
+void decode_simd(const T* q, int64_t q_stride, const KV* k_cache, const KV* v_cache, const int32_t* block_tables,
                    int64_t table_stride, const int32_t* seq_lens, T* out, int num_seqs, int H, int num_kv_heads, int block_size,
                    float scale, int num_threads, int window, float softcap) {
     struct Item { int seq, begin, len, part, skip; };  // part: index of its slice buffer, -1 when whole
@@ -508,7 +673,7 @@ void decode_avx512(const T* q, int64_t q_stride, const KV* k_cache, const KV* v_
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < items.size(); ++i) {
             const Item& it = items[i];
-            attend_seq_avx512<D, T, KV>(q + it.seq * q_stride, k_cache, v_cache,
+            attend_seq<D, T, KV>(q + it.seq * q_stride, k_cache, v_cache,
                                     block_tables + it.seq * table_stride + it.begin / block_size, it.len,
                                     out + it.seq * seq_stride, num_kv_heads, G, block_size, scale, scores, it.skip,
                                     softcap, it.part < 0 ? nullptr : parts.data() + it.part * part_size);
@@ -530,13 +695,13 @@ int decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_c
     const KV* vc = static_cast<const KV*>(v_cache);
     T* ot = static_cast<T*>(out);
     const size_t seq_stride = size_t(num_heads) * head_dim;
-#if defined(__AVX512F__)
+#if defined(ITERSERVE_SIMD_DECODE)
     if ((head_dim == 64 || head_dim == 128) && num_heads <= kMaxHeads) {
         if (head_dim == 64)
-            decode_avx512<64, T, KV>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
+            decode_simd<64, T, KV>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
                                  num_kv_heads, block_size, scale, num_threads, window, softcap);
         else
-            decode_avx512<128, T, KV>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
+            decode_simd<128, T, KV>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
                                   num_kv_heads, block_size, scale, num_threads, window, softcap);
         return 0;
     }

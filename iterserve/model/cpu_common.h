@@ -7,7 +7,7 @@
 #include <cstring>
 #include <initializer_list>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 

@@ -26,7 +26,6 @@ namespace {
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #define ITERSERVE_LINEAR 1
-#include <immintrin.h>
 #endif
 
 constexpr int kPanel = 32;           // outputs per panel: two AVX-512 vectors, or four AVX2 ones
@@ -35,6 +34,7 @@ constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream
 #if defined(__AVX512F__)
 
 constexpr int kRows = 12;  // rows per register tile: 24 accumulators, 2 weight vectors, 1 broadcast
+constexpr int kWidenTiles = 0;  // widen_panel: not measured on AVX-512, where a k's widening serves 24 FMAs
 
 inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen(const uint16_t* p) { return load16(p); }
@@ -85,6 +85,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64
 #elif defined(ITERSERVE_LINEAR)  // AVX2 + FMA
 
 constexpr int kRows = 6;  // rows per register tile (see tile below)
+constexpr int kWidenTiles = 8;  // widen_panel from this many tiles (M > 42), where it was measured to pay
 
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 widen8(const uint16_t* p) {
@@ -134,10 +135,12 @@ inline void tile_columns(const float* x, int64_t ldx, const W* w, int64_t K, T* 
         T* yr = y + r * ldy;
         if (valid == 8 * V) {
 #pragma GCC unroll 4
-            for (int v = 0; v < V; ++v) store8(yr + 8 * v, bias ? _mm256_add_ps(a[r][v], _mm256_loadu_ps(b + 8 * v)) : a[r][v]);
+            for (int v = 0; v < V; ++v)
+                store8(yr + 8 * v, bias ? _mm256_add_ps(a[r][v], _mm256_loadu_ps(b + 8 * v)) : a[r][v]);
         } else {
             float row[8 * V];
-            for (int v = 0; v < V; ++v) _mm256_storeu_ps(row + 8 * v, _mm256_add_ps(a[r][v], _mm256_loadu_ps(b + 8 * v)));
+            for (int v = 0; v < V; ++v)
+                _mm256_storeu_ps(row + 8 * v, _mm256_add_ps(a[r][v], _mm256_loadu_ps(b + 8 * v)));
             for (int j = 0; j < valid; ++j) from_f32(row[j], yr + j);
         }
     }
@@ -161,6 +164,17 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64
 #endif
 
 #if defined(ITERSERVE_LINEAR)
+
+// A bf16 panel widened to float32 once, in this thread's buffer (K x kPanel floats, 72-196 KB for the
+// model's weights: it stays in L2 while the tiles of a large batch run over it), where otherwise each
+// of them would widen every weight again: on AVX2 that is two vector ops per 8 weights beside 12 FMAs.
+const float* widen_panel(const uint16_t* w, int64_t K) {
+    static thread_local std::vector<float> wide;
+    wide.resize(size_t(K * kPanel));
+    float* out = wide.data();
+    for (int64_t i = 0; i < K * kPanel; ++i) out[i] = to_f32(w[i]);
+    return out;
+}
 
 // A tile of 1 .. kRows rows: R, the register tile's height, is a compile-time constant.
 template <bool Packed, int R = 1, typename W, typename T>
@@ -204,6 +218,16 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
             const int valid = int(std::min<int64_t>(kPanel, N - n0));
             const W* w = panels + p * K * kPanel;
             const T* b = bias ? bias + n0 : nullptr;
+            if constexpr (std::is_same_v<W, uint16_t>) {
+                if (kWidenTiles > 0 && tiles >= kWidenTiles) {
+                    const float* wide = widen_panel(w, K);
+                    for (int64_t t = 0; t < tiles; ++t) {
+                        const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
+                        tile_rows<true>(int(rows), xp + m0 * K, 0, wide, K, y + m0 * N + n0, N, valid, b);
+                    }
+                    continue;
+                }
+            }
             for (int64_t t = 0; t < tiles; ++t) {
                 const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
                 if constexpr (in_place) {

@@ -201,7 +201,8 @@ def test_kernel_rejects_shapes_it_does_not_handle():
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)])  # the paths other CPUs take
+# the paths other CPUs take: AVX-512 without bf16 dot products, AVX2, neither (the portable loops)
+@pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])
 @pytest.mark.parametrize("dtype,cache_dtype,tol", [(torch.float32, torch.float32, 1e-5),
                                                    (torch.bfloat16, torch.bfloat16, 2e-2),
                                                    (torch.float32, torch.bfloat16, 1e-5)])
@@ -237,8 +238,8 @@ def test_a_kernel_that_cannot_be_built_or_loaded_means_the_torch_path(monkeypatc
         cpu_kernels.decode_attention_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("path", ["torch", "kernel", "portable"])  # gather + matmuls; the C++ kernel as built
-@pytest.mark.parametrize("head_dim", [8, 64])  # here, and with -mno-avx512f; D=8 runs the portable loops anyway
+@pytest.mark.parametrize("path", ["torch", "kernel", "avx2", "portable"])  # gather + matmuls; the C++ kernel as built
+@pytest.mark.parametrize("head_dim", [8, 64])  # D=8 runs the portable loops in every build
 @pytest.mark.parametrize("window,softcap", [(3, 0.0), (6, 0.0), (13, 0.0), (700, 0.0), (6, 2.0), (0, 2.0)])
 def test_window_and_softcap_in_every_decode_path(path, head_dim, window, softcap):
     """A windowed layer sees only the last `window` positions (block-aligned or not, shorter and
@@ -263,7 +264,8 @@ def test_window_and_softcap_in_every_decode_path(path, head_dim, window, softcap
                                query_lens_list=[1] * len(lens), seq_lens_list=lens)
         got = _decode(q, cache, build_plan(md, BS, torch.float32), 0.35, window, softcap)
     else:
-        kernel = cpu_kernels.decode_attention_kernel(("-mno-avx512f",) if path == "portable" else ())
+        flags = {"kernel": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}[path]
+        kernel = cpu_kernels.decode_attention_kernel(flags)
         got = cpu_kernels.decode_attention(q, cache[0], cache[1], tables, seq_lens, 0.35, 8, kernel=kernel,
                                            window=window, softcap=softcap)
     for b, n in enumerate(lens):

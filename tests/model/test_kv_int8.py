@@ -112,7 +112,7 @@ def test_kernel_int8_splits_long_contexts_of_small_batches(threads):
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags", [("-mno-avx512f",)])  # the portable loops other CPUs take
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])  # AVX2; the portable loops
 def test_kernel_int8_builds_without_avx512_and_agrees(flags):
     kernel = cpu_kernels.decode_attention_int8_kernel(flags)
     assert kernel is not None
