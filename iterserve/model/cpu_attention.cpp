@@ -131,6 +131,30 @@ inline void prefetch_l2(const void* p, size_t bytes) {
     for (size_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T1);
 }
 
+// One sequence's cache rows through its block table. fetch<N> gives the K rows of positions p0 ..
+// p0 + N - 1 (past the end: the last one; any valid row would do) and prefetches into L2 the rows 16
+// positions on: K's, then, past the end of K, V's first ones.
+template <typename KV> struct SeqRows {
+    const KV *k_cache, *v_cache;
+    const int32_t* table;
+    int seq_len, block_size;
+    size_t row;  // elements per cache slot
+    const KV* at(const KV* cache, int p) const {
+        return cache + (size_t(table[p / block_size]) * block_size + p % block_size) * row;
+    }
+    void start() const {
+        for (int p = 0; p < 16 && p < seq_len; ++p) prefetch_l2(at(k_cache, p), row * sizeof(KV));
+    }
+    template <int N> void fetch(const KV** rows, int p0) const {
+        for (int r = 0; r < N; ++r) {
+            rows[r] = at(k_cache, p0 + r < seq_len ? p0 + r : seq_len - 1);
+            const int ahead = p0 + r + 16;
+            if (ahead < seq_len) prefetch_l2(at(k_cache, ahead), row * sizeof(KV));
+            else if (ahead < 2 * seq_len) prefetch_l2(at(v_cache, ahead - seq_len), row * sizeof(KV));
+        }
+    }
+};
+
 #endif
 
 #if defined(__AVX512F__)
@@ -209,20 +233,12 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
     float* s = scores.data();
     const int num_blocks = (seq_len + block_size - 1) / block_size;
     const size_t row_bytes = row * sizeof(KV);
-    auto row_at = [&](const KV* cache, int p) {
-        return cache + (size_t(table[p / block_size]) * block_size + p % block_size) * row;
-    };
-    for (int p = 0; p < 16 && p < seq_len; ++p) prefetch_l2(row_at(k_cache, p), row_bytes);
+    const SeqRows<KV> seq{k_cache, v_cache, table, seq_len, block_size, row};
+    seq.start();
     const KV* rows[16];
     __m512 partial[16];
     for (int p0 = 0; p0 < seq_len; p0 += 16) {  // 16 positions at a time, one score per lane
-        for (int r = 0; r < 16; ++r) {
-            const int p = p0 + r < seq_len ? p0 + r : seq_len - 1;  // past the end: any valid row
-            rows[r] = row_at(k_cache, p);
-            const int ahead = p0 + r + 16;  // on into V's first rows at the end
-            if (ahead < seq_len) prefetch_l2(row_at(k_cache, ahead), row_bytes);
-            else if (ahead < 2 * seq_len) prefetch_l2(row_at(v_cache, ahead - seq_len), row_bytes);
-        }
+        seq.template fetch<16>(rows, p0);
         for (int h = 0; h < num_kv_heads; ++h) {
             auto score = [&](auto row_of, __m512 row_scale) {  // this kv head's query heads on the 16 rows
                 for (int g = h * G; g < (h + 1) * G; ++g) {
@@ -290,7 +306,7 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
                     for (int c = 0; c < C; ++c) acc[t][c] = t < n ? _mm512_load_ps(acc_mem + (g0 + t) * D + 16 * c) : _mm512_setzero_ps();
                 for (int i = 0; i < m; ++i) {
                     const int p = p0 + i;
-                    if (g0 == 0 && p + 16 < seq_len) prefetch_l2(row_at(v_cache, p + 16), row_bytes);
+                    if (g0 == 0 && p + 16 < seq_len) prefetch_l2(seq.at(v_cache, p + 16), row_bytes);
                     __m512 vv[C];
                     for (int c = 0; c < C; ++c) vv[c] = load16(vb + i * row + 16 * c);
                     const float vs = CacheRow<KV>::scale(vb + i * row, D);  // 1 for a plain cache
@@ -372,20 +388,12 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
     float* s = scores.data();
     const int num_blocks = (seq_len + block_size - 1) / block_size;
     const size_t row_bytes = row * sizeof(KV);
-    auto row_at = [&](const KV* cache, int p) {
-        return cache + (size_t(table[p / block_size]) * block_size + p % block_size) * row;
-    };
-    for (int p = 0; p < 16 && p < seq_len; ++p) prefetch_l2(row_at(k_cache, p), row_bytes);
+    const SeqRows<KV> seq{k_cache, v_cache, table, seq_len, block_size, row};
+    seq.start();
     const KV* rows[8];
     __m256 partial[8];
     for (int p0 = 0; p0 < seq_len; p0 += 8) {  // 8 positions at a time, one score per lane
-        for (int r = 0; r < 8; ++r) {
-            const int p = p0 + r < seq_len ? p0 + r : seq_len - 1;  // past the end: any valid row
-            rows[r] = row_at(k_cache, p);
-            const int ahead = p0 + r + 16;  // on into V's first rows at the end
-            if (ahead < seq_len) prefetch_l2(row_at(k_cache, ahead), row_bytes);
-            else if (ahead < 2 * seq_len) prefetch_l2(row_at(v_cache, ahead - seq_len), row_bytes);
-        }
+        seq.template fetch<8>(rows, p0);
         for (int h = 0; h < num_kv_heads; ++h) {
             const float* k_rows[8];
             alignas(32) float ks[8];
@@ -455,7 +463,7 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
                     for (int i = 0; i < m; ++i) {
                         const int p = p0 + i;
                         if (h == 0 && c0 == 0 && g0 == 0 && p + 16 < seq_len)
-                            prefetch_l2(row_at(v_cache, p + 16), row_bytes);
+                            prefetch_l2(seq.at(v_cache, p + 16), row_bytes);
                         const KV* v = vb + i * row;
                         const __m256 v0 = load8(v + c0), v1 = load8(v + c0 + 8);
                         const float vs = CacheRow<KV>::scale(v, D);  // 1 for a plain cache
