@@ -142,15 +142,16 @@ template <typename KV> struct SeqRows {
     const KV* at(const KV* cache, int p) const {
         return cache + (size_t(table[p / block_size]) * block_size + p % block_size) * row;
     }
+    void prefetch(const KV* cache, int p) const { prefetch_l2(at(cache, p), row * sizeof(KV)); }
     void start() const {
-        for (int p = 0; p < 16 && p < seq_len; ++p) prefetch_l2(at(k_cache, p), row * sizeof(KV));
+        for (int p = 0; p < 16 && p < seq_len; ++p) prefetch(k_cache, p);
     }
     template <int N> void fetch(const KV** rows, int p0) const {
         for (int r = 0; r < N; ++r) {
             rows[r] = at(k_cache, p0 + r < seq_len ? p0 + r : seq_len - 1);
             const int ahead = p0 + r + 16;
-            if (ahead < seq_len) prefetch_l2(at(k_cache, ahead), row * sizeof(KV));
-            else if (ahead < 2 * seq_len) prefetch_l2(at(v_cache, ahead - seq_len), row * sizeof(KV));
+            if (ahead < seq_len) prefetch(k_cache, ahead);
+            else if (ahead < 2 * seq_len) prefetch(v_cache, ahead - seq_len);
         }
     }
 };
@@ -232,7 +233,6 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
     scores.resize(size_t(H) * padded);
     float* s = scores.data();
     const int num_blocks = (seq_len + block_size - 1) / block_size;
-    const size_t row_bytes = row * sizeof(KV);
     const SeqRows<KV> seq{k_cache, v_cache, table, seq_len, block_size, row};
     seq.start();
     const KV* rows[16];
@@ -306,7 +306,7 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
                     for (int c = 0; c < C; ++c) acc[t][c] = t < n ? _mm512_load_ps(acc_mem + (g0 + t) * D + 16 * c) : _mm512_setzero_ps();
                 for (int i = 0; i < m; ++i) {
                     const int p = p0 + i;
-                    if (g0 == 0 && p + 16 < seq_len) prefetch_l2(seq.at(v_cache, p + 16), row_bytes);
+                    if (g0 == 0 && p + 16 < seq_len) seq.prefetch(v_cache, p + 16);
                     __m512 vv[C];
                     for (int c = 0; c < C; ++c) vv[c] = load16(vb + i * row + 16 * c);
                     const float vs = CacheRow<KV>::scale(vb + i * row, D);  // 1 for a plain cache
@@ -353,18 +353,6 @@ inline __m256 reduce8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-inline __m256 exp8(__m256 x) {  // as exp16, 2^n built in the exponent bits (no scalef in AVX2)
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.5403530e-4f);
-    for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 inline float hsum8(__m256 v) {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -387,7 +375,6 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
     scores.resize(size_t(H) * padded);
     float* s = scores.data();
     const int num_blocks = (seq_len + block_size - 1) / block_size;
-    const size_t row_bytes = row * sizeof(KV);
     const SeqRows<KV> seq{k_cache, v_cache, table, seq_len, block_size, row};
     seq.start();
     const KV* rows[8];
@@ -462,8 +449,7 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
                                               : _mm256_setzero_ps();
                     for (int i = 0; i < m; ++i) {
                         const int p = p0 + i;
-                        if (h == 0 && c0 == 0 && g0 == 0 && p + 16 < seq_len)
-                            prefetch_l2(seq.at(v_cache, p + 16), row_bytes);
+                        if (h == 0 && c0 == 0 && g0 == 0 && p + 16 < seq_len) seq.prefetch(v_cache, p + 16);
                         const KV* v = vb + i * row;
                         const __m256 v0 = load8(v + c0), v1 = load8(v + c0 + 8);
                         const float vs = CacheRow<KV>::scale(v, D);  // 1 for a plain cache

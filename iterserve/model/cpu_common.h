@@ -1,5 +1,5 @@
 // Helpers shared by the CPU kernels (cpu_attention.cpp, cpu_ops.cpp): bfloat16 <-> float32 rounded
-// as torch rounds, and the AVX-512 loads, stores and exp they both use.
+// as torch rounds, and the AVX-512 loads, stores and the vector exps they use.
 #pragma once
 
 #include <cmath>
@@ -35,6 +35,10 @@ template <typename T> inline float round_trip(float x) {  // x as the model dtyp
     return to_f32(t);
 }
 
+// 2^f for |f| <= 1/2: degree-6 Taylor coefficients, highest first (the vector exps below).
+constexpr float kExp2Taylor[7] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                                  2.4022651e-1f, 6.9314718e-1f, 1.f};
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
@@ -66,10 +70,22 @@ inline __m512 exp16(__m512 x) {  // 2^n * 2^f with |f| <= 1/2; degree-6 Taylor o
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530e-4f);
-    for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.f})
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
+    for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
     return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8(__m256 x) {  // exp16 on 8 lanes, 2^n built in the exponent bits (AVX2 has no scalef)
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(kExp2Taylor[0]);
+    for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Taylor[i]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
 
