@@ -114,7 +114,7 @@ class ModelRunner:
             pending_tokenizer = _load_tokenizer_aside(path)
             arch, weights = weight_cache.load_arch_and_weights(path, load_dtype, self.device)
             if mc.quantization is None:
-                panel_cache = weight_cache.panel_cache(path, load_dtype, self.device)
+                panel_cache = weight_cache.panel_cache(path, load_dtype, self.device, load_dtype != self.dtype)
         assert arch is not None, "weights given without their arch"
         self.arch = cfg = arch
         self.vocab_size = cfg.vocab_size

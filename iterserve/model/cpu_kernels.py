@@ -38,6 +38,7 @@ PANEL = 32  # outputs per weight panel: cpu_linear.cpp's kPanel
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIXED = 2  # the kernels' code for float32 activations over bfloat16 weights or K/V (--dtype bf16-storage)
+PAIRS = 3  # cpu_linear.cpp's code for bfloat16 throughout over panels in the pairs layout (AVX-512 BF16)
 
 
 @functools.cache
@@ -291,6 +292,15 @@ def linear_kernel(extra_flags: tuple[str, ...] = ()):
     return fn if fn is not None and supported is not None and supported() else None
 
 
+@functools.cache
+def linear_pairs_supported(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether cpu_linear.cpp's build takes bfloat16 panels in the pairs layout (AVX-512 BF16 dot products)."""
+    if linear_kernel(extra_flags) is None:
+        return False
+    fn = _bind(_build(LINEAR_SOURCE, [*FLAGS, *extra_flags]), "iterserve_linear_pairs_supported", [], _i32)
+    return bool(fn is not None and fn())
+
+
 class _HugePageArena:
     """Weight panels carved one after another from private anonymous mappings advised for transparent
     huge pages (THP "madvise" mode). A small-batch step streams every weight once, and over 4 KiB pages
@@ -321,29 +331,48 @@ class _HugePageArena:
 _arena = _HugePageArena() if hasattr(mmap, "MADV_HUGEPAGE") else None
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
+def pack_panels(w: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """W [N, K] -> panels [ceil(N / PANEL), K, PANEL]: panels[p, k, j] = W[p * PANEL + j, k], zero rows past N;
-    on huge pages where the OS has them."""
+    on huge pages where the OS has them. pairs (bfloat16, K even): [ceil(N / PANEL), K / 2, PANEL, 2],
+    panels[p, i, j, e] = W[p * PANEL + j, 2 i + e], what the AVX-512 BF16 dot product takes."""
     n, k = w.shape
+    if pairs and (w.dtype != torch.bfloat16 or k % 2):
+        raise ValueError(f"the pairs layout takes bfloat16 weights with an even number of inputs, not {w.dtype} x {k}")
     padded = -(-n // PANEL) * PANEL
     if padded != n:
         w = torch.cat([w, w.new_zeros(padded - n, k)])
-    shape = (padded // PANEL, k, PANEL)
+    shape = (padded // PANEL, k // 2, PANEL, 2) if pairs else (padded // PANEL, k, PANEL)
     panels = _arena.empty(shape, w.dtype) if _arena is not None else torch.empty(shape, dtype=w.dtype)
+    if pairs:
+        return panels.copy_(w.view(padded // PANEL, PANEL, k // 2, 2).transpose(1, 2))
     return panels.copy_(w.view(padded // PANEL, PANEL, k).transpose(1, 2))
+
+
+def panel_in_features(panels: torch.Tensor) -> int:
+    """K of the weight pack_panels packed into `panels`, in either layout."""
+    return panels.shape[1] * (2 if panels.dim() == 4 else 1)
+
+
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """W[ids] read back from pack_panels' panels (either layout): [len(ids), K]."""
+    rows = panels[ids // PANEL, :, ids % PANEL]
+    return rows.reshape(len(ids), panel_in_features(panels))
 
 
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None, kernel=None) -> torch.Tensor:
     """x [M, K] (rows any stride) @ W^T (+ bias) -> [M, n] contiguous, W as pack_panels packed it; one dtype
-    throughout, float32 or bfloat16, or bfloat16 panels under float32 x, bias and y."""
+    throughout, float32 or bfloat16 (either layout), or bfloat16 panels under float32 x, bias and y."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     mixed = x.dtype != panels.dtype
-    assert panels.shape[1] == k and panels.is_contiguous()
-    assert not mixed or (x.dtype == torch.float32 and panels.dtype == torch.bfloat16)
+    pairs = panels.dim() == 4
+    assert panel_in_features(panels) == k and panels.is_contiguous()
+    assert not mixed or (x.dtype == torch.float32 and panels.dtype == torch.bfloat16 and not pairs)
     assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
+    code = PAIRS if pairs else MIXED if mixed else DTYPES[x.dtype]
     y = x.new_empty(m, n)
-    (kernel or linear_kernel())(MIXED if mixed else DTYPES[x.dtype], x.data_ptr(), x.stride(0), panels.data_ptr(),
-                                _ptr(bias), y.data_ptr(), m, n, k, torch.get_num_threads())
+    if (kernel or linear_kernel())(code, x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(bias), y.data_ptr(),
+                                   m, n, k, torch.get_num_threads()):
+        raise ValueError("this build of cpu_linear.cpp has no AVX-512 BF16 for the pairs layout")
     return y

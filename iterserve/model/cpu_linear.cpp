@@ -47,14 +47,29 @@ inline void store_masked(uint16_t* p, __mmask16 m, __m512 v) {
     _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(v)));
 }
 
+// A register tile's sums (+ bias) rounded to T and stored: R rows of the panel's `valid` first columns.
+template <int R, typename T>
+inline void store_tile(__m512 (&a0)[R], __m512 (&a1)[R], T* y, int64_t ldy, int valid, const T* bias) {
+    const __mmask16 lo = valid >= 16 ? 0xffff : __mmask16((1u << valid) - 1);
+    const __mmask16 hi = valid >= 32 ? 0xffff : valid <= 16 ? 0 : __mmask16((1u << (valid - 16)) - 1);
+    if (bias) {
+        const __m512 b0 = load_masked(bias, lo), b1 = load_masked(bias + 16, hi);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) a0[r] = _mm512_add_ps(a0[r], b0), a1[r] = _mm512_add_ps(a1[r], b1);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+        store_masked(y + r * ldy, lo, a0[r]);
+        store_masked(y + r * ldy + 16, hi, a1[r]);
+    }
+}
+
 // y[R rows, kPanel] = x[R rows, K] @ panel [K][kPanel] (+ bias), summed in float32 and rounded once to
 // T. x is float32, read in place (rows ldx apart) or, Packed, from a tile buffer holding each k's R
 // values together. The prefetch runs kPrefetch bytes ahead of the panel (a thread's panels are one
 // stream); on a panel's later tiles it finds the lines cached already.
 template <int R, bool Packed, typename W, typename T>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid, const T* bias) {
-    const __mmask16 lo = valid >= 16 ? 0xffff : __mmask16((1u << valid) - 1);
-    const __mmask16 hi = valid >= 32 ? 0xffff : valid <= 16 ? 0 : __mmask16((1u << (valid - 16)) - 1);
     __m512 a0[R], a1[R];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
@@ -70,17 +85,40 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64
             a1[r] = _mm512_fmadd_ps(xb, w1, a1[r]);
         }
     }
-    if (bias) {
-        const __m512 b0 = load_masked(bias, lo), b1 = load_masked(bias + 16, hi);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) a0[r] = _mm512_add_ps(a0[r], b0), a1[r] = _mm512_add_ps(a1[r], b1);
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-        store_masked(y + r * ldy, lo, a0[r]);
-        store_masked(y + r * ldy + 16, hi, a1[r]);
-    }
+    store_tile<R>(a0, a1, y, ldy, valid, bias);
 }
+
+#if defined(__AVX512BF16__)
+#define ITERSERVE_LINEAR_PAIRS 1
+
+// Native bf16 (x, weights, bias and y all bf16) over panels of k pairs: pairs[p][k / 2][j][2] =
+// W[p * kPanel + j][k .. k + 1], so a 64-byte vector holds 16 outputs' pair and one vdpbf16ps adds
+// both products to each output's float32 sum: 32 multiply-adds an instruction, twice a float32
+// FMA's, with no widening. x's pair at k is one 32-bit broadcast (Packed: a tile buffer holding
+// each pair's R rows together). K is even (pack_panels' pairs layout asks for it).
+template <int R, bool Packed>
+inline void tile_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y, int64_t ldy,
+                       int valid, const uint16_t* bias) {
+    __m512 a0[R], a1[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2) {
+        const uint16_t* wk = w + k * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch + 64, _MM_HINT_T0);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, Packed ? x + k * R + 2 * r : x + r * ldx + k, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            a0[r] = _mm512_dpbf16_ps(a0[r], xb, w0);
+            a1[r] = _mm512_dpbf16_ps(a1[r], xb, w1);
+        }
+    }
+    store_tile<R>(a0, a1, y, ldy, valid, bias);
+}
+#endif
 
 #elif defined(ITERSERVE_LINEAR)  // AVX2 + FMA
 
@@ -176,31 +214,43 @@ const float* widen_panel(const uint16_t* w, int64_t K) {
     return out;
 }
 
+#if !defined(ITERSERVE_LINEAR_PAIRS)
+template <int R, bool Packed>  // declared only: a build without AVX-512 BF16 declines the pairs layout
+void tile_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y, int64_t ldy, int valid,
+                const uint16_t* bias);
+#endif
+
 // A tile of 1 .. kRows rows: R, the register tile's height, is a compile-time constant.
-template <bool Packed, int R = 1, typename W, typename T>
-void tile_rows(int rows, const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid,
+template <bool Packed, bool Pairs, int R = 1, typename X, typename W, typename T>
+void tile_rows(int rows, const X* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid,
                const T* bias) {
-    if (rows == R)
-        tile<R, Packed>(x, ldx, w, K, y, ldy, valid, bias);
-    else if constexpr (R < kRows)
-        tile_rows<Packed, R + 1>(rows, x, ldx, w, K, y, ldy, valid, bias);
+    if (rows == R) {
+        if constexpr (Pairs)
+            tile_pairs<R, Packed>(x, ldx, w, K, y, ldy, valid, bias);
+        else
+            tile<R, Packed>(x, ldx, w, K, y, ldy, valid, bias);
+    } else if constexpr (R < kRows) {
+        tile_rows<Packed, Pairs, R + 1>(rows, x, ldx, w, K, y, ldy, valid, bias);
+    }
 }
 
-// x [M, K] (rows ldx apart) @ W^T (+ bias) -> y [M, N] contiguous, all of type T; W's panels as above.
-// Each thread takes a run of panels and computes every tile of rows against each. One float32 tile
-// (M <= kRows) reads x in place; otherwise x is packed first, tile by tile (rows of near-equal
-// height: 13 are 6 + 7), each tile's rows interleaved k by k and widened to float32, so a tile is
-// one short stream rather than kRows rows whose strides can alias in L1.
-template <typename W, typename T>
+// x [M, K] (rows ldx apart) @ W^T (+ bias) -> y [M, N] contiguous, all of type T; W's panels as above
+// (Pairs: the pairs layout, all bf16). Each thread takes a run of panels and computes every tile of rows
+// against each. One tile (M <= kRows) of float32, or of Pairs' bf16, reads x in place; otherwise x is
+// packed first, tile by tile (rows of near-equal height: 13 are 6 + 7), each tile's rows interleaved
+// k by k (Pairs: pair by pair, in bf16; else widened to float32), so a tile is one short stream rather
+// than kRows rows whose strides can alias in L1.
+template <typename W, typename T, bool Pairs = false>
 void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
             int num_threads) {
+    using X = std::conditional_t<Pairs, uint16_t, float>;  // what a tile of x holds
     const int64_t num_panels = (N + kPanel - 1) / kPanel;
     const int64_t tiles = (M + kRows - 1) / kRows;
-    constexpr bool in_place = std::is_same_v<T, float>;
+    constexpr bool in_place = Pairs || std::is_same_v<T, float>;
     const bool packed = tiles > 1 || !in_place;
-    static thread_local std::vector<float> buffer;  // at most max_num_batched_tokens x K floats, kept for reuse
+    static thread_local std::vector<X> buffer;  // at most max_num_batched_tokens x K values, kept for reuse
     if (packed) buffer.resize(size_t(M * K));
-    float* xp = buffer.data();
+    X* xp = buffer.data();
     auto first_row = [&](int64_t t) { return M * t / tiles; };
 #pragma omp parallel num_threads(num_threads) if (num_panels > 1)
     {
@@ -209,7 +259,13 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
             for (int64_t t = 0; t < tiles; ++t) {
                 const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
                 for (int64_t k = 0; k < K; ++k)
-                    for (int64_t r = 0; r < rows; ++r) xp[m0 * K + k * rows + r] = to_f32(x[(m0 + r) * ldx + k]);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const T v = x[(m0 + r) * ldx + k];
+                        if constexpr (Pairs)
+                            xp[m0 * K + (k & ~int64_t(1)) * rows + 2 * r + (k & 1)] = v;
+                        else
+                            xp[m0 * K + k * rows + r] = to_f32(v);
+                    }
             }
         }
 #pragma omp for schedule(static)
@@ -218,12 +274,12 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
             const int valid = int(std::min<int64_t>(kPanel, N - n0));
             const W* w = panels + p * K * kPanel;
             const T* b = bias ? bias + n0 : nullptr;
-            if constexpr (std::is_same_v<W, uint16_t>) {
+            if constexpr (std::is_same_v<W, uint16_t> && !Pairs) {
                 if (kWidenTiles > 0 && tiles >= kWidenTiles) {
                     const float* wide = widen_panel(w, K);
                     for (int64_t t = 0; t < tiles; ++t) {
                         const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
-                        tile_rows<true>(int(rows), xp + m0 * K, 0, wide, K, y + m0 * N + n0, N, valid, b);
+                        tile_rows<true, false>(int(rows), xp + m0 * K, 0, wide, K, y + m0 * N + n0, N, valid, b);
                     }
                     continue;
                 }
@@ -232,11 +288,12 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
                 const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
                 if constexpr (in_place) {
                     if (!packed) {
-                        tile_rows<false>(int(rows), reinterpret_cast<const float*>(x), ldx, w, K, y + n0, N, valid, b);
+                        tile_rows<false, Pairs>(int(rows), reinterpret_cast<const X*>(x), ldx, w, K, y + n0, N, valid,
+                                                b);
                         continue;
                     }
                 }
-                tile_rows<true>(int(rows), xp + m0 * K, 0, w, K, y + m0 * N + n0, N, valid, b);
+                tile_rows<true, Pairs>(int(rows), xp + m0 * K, 0, w, K, y + m0 * N + n0, N, valid, b);
             }
         }
     }
@@ -256,7 +313,17 @@ int iterserve_linear_supported() {
 #endif
 }
 
-// dtype of x, the panels, bias and y: 0 float32, 1 bfloat16; 2 bfloat16 panels, the rest float32.
+// Whether this build takes dtype 3, the pairs layout (AVX-512 BF16).
+int iterserve_linear_pairs_supported() {
+#if defined(ITERSERVE_LINEAR_PAIRS)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// dtype of x, the panels, bias and y: 0 float32, 1 bfloat16; 2 bfloat16 panels, the rest float32;
+// 3 bfloat16 throughout, the panels in the pairs layout.
 // x rows ldx elements apart, y contiguous; bias may be null. Returns 0, or -1 where this build cannot
 // run it.
 int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, const void* bias, void* y,
@@ -265,6 +332,14 @@ int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, 
     if (dtype == 0)
         linear(static_cast<const float*>(x), ldx, static_cast<const float*>(panels), static_cast<const float*>(bias),
                static_cast<float*>(y), M, N, K, num_threads);
+    else if (dtype == 3)
+#if defined(ITERSERVE_LINEAR_PAIRS)
+        linear<uint16_t, uint16_t, true>(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(panels),
+                                         static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), M, N, K,
+                                         num_threads);
+#else
+        return -1;
+#endif
     else if (dtype == 2)
         linear(static_cast<const float*>(x), ldx, static_cast<const uint16_t*>(panels), static_cast<const float*>(bias),
                static_cast<float*>(y), M, N, K, num_threads);

@@ -215,11 +215,11 @@ class LlamaModel:
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows of input_ids, in the arithmetic's dtype: from the embedding, or gathered from the tied
-        head's panels (row n is column n % PANEL of panel n // PANEL)."""
+        head's panels."""
         if self.embed is not None:
             x = F.embedding(input_ids, self.embed)
         else:
-            x = self.lm_head.panels[input_ids // cpu_kernels.PANEL, :, input_ids % cpu_kernels.PANEL]
+            x = cpu_kernels.panel_rows(self.lm_head.panels, input_ids)
         return x.to(self.dtype)
 
     def _layer_forward(self, x, delta, layer: LayerWeights, layer_cache, plan, positions, cos_sin):

@@ -89,7 +89,7 @@ class PackedFloatWeight:
 
 @dataclass(slots=True)
 class PanelWeight:
-    panels: torch.Tensor  # cpu_kernels.pack_panels' layout, [ceil(N / PANEL), K, PANEL]
+    panels: torch.Tensor  # cpu_kernels.pack_panels' layouts: [ceil(N / PANEL), K, PANEL], or K / 2 pairs
     shape: torch.Size
 
     @property
@@ -137,19 +137,31 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
     return Int4Weight(packed, scales_zeros, w.shape)
 
 
-def panel_dtype(dtype: torch.dtype) -> bool:
-    """Whether pack_float gives a CPU weight of this dtype the C++ kernel's panels (where it builds)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and not cpu_kernels.cpu_has_bf16())
+def panel_layout(dtype: torch.dtype) -> str | None:
+    """The C++ kernel's panel layout pack_float gives a CPU weight of this dtype, or None (oneDNN's
+    layout, or no kernel here): "plain" for float32, and for bfloat16 on a CPU without native bf16
+    (widened in registers); "pairs" for bfloat16 on AVX-512 BF16 (its dot products). On AMX, whose
+    bf16 tiles oneDNN uses, bfloat16 weights stay oneDNN's (not measured against the pairs kernel)."""
+    if cpu_kernels.linear_kernel() is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if dtype == torch.float32 or not cpu_kernels.cpu_has_bf16():
+        return "plain"
+    if b"amx_bf16" not in cpu_kernels.cpu_flags() and cpu_kernels.linear_pairs_supported():
+        return "pairs"
+    return None
 
 
 def pack_float(w: torch.Tensor, panels: bool = False) -> Weight:
     """The C++ kernel's panels or oneDNN's layout for a float CPU weight (see the top), or the weight
-    itself where neither can take it. panels: the kernel's panels whatever the CPU (bfloat16 weights
-    under float32 activations: only that kernel takes them; the caller checked it builds)."""
+    itself where neither can take it. panels: the kernel's plain panels whatever the CPU (bfloat16
+    weights under float32 activations: only that kernel takes them; the caller checked it builds)."""
     if w.device.type != "cpu":
         return w
-    if panels or (panel_dtype(w.dtype) and cpu_kernels.linear_kernel() is not None):
-        return PanelWeight(cpu_kernels.pack_panels(w), w.shape)
+    layout = "plain" if panels else panel_layout(w.dtype)
+    if layout == "pairs" and w.shape[1] % 2:
+        layout = None  # an odd number of inputs: oneDNN's (no model here has one)
+    if layout is not None:
+        return PanelWeight(cpu_kernels.pack_panels(w, pairs=layout == "pairs"), w.shape)
     if not torch.backends.mkldnn.is_available():
         return w
     try:  # float16 needs AVX-512 fp16 or AVX-NE-CONVERT; bfloat16 without AVX-512 bf16 is emulated

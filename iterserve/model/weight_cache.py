@@ -49,7 +49,7 @@ from iterserve.model import cpu_kernels, loader, tokenizer
 from iterserve.model.cpu_kernels import cache_dir
 from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
 from iterserve.model.loader import ModelArch
-from iterserve.model.quant import PanelWeight, Weight, panel_dtype
+from iterserve.model.quant import PanelWeight, Weight, panel_layout
 
 logger = logging.getLogger("iterserve.model")
 
@@ -265,8 +265,8 @@ class PanelCache:
     arena: docs/performance.md) rather than fresh memory, whose every 2 MiB first touch waits for the
     hypervisor in a virtual machine. A miss packs as before and writes the file for the next start.
 
-    The panels are a pure function of the entry's floats, the dtype and PANEL: not of the CPU, beyond
-    its having the kernel (AVX-512 or AVX2), which panel_cache checks as pack_float does."""
+    The panels are a pure function of the entry's floats, the dtype, PANEL and the layout: not of the
+    CPU, beyond the layout pack_float gives it (panel_layout), which is in the file's name and key."""
 
     def __init__(self, file: Path, key: str) -> None:
         self.file, self.key = file, key
@@ -308,15 +308,17 @@ class PanelCache:
         logger.info("weight cache: packed weights written to %s", self.file)
 
 
-def panel_cache(path: str, dtype: torch.dtype, device: torch.device) -> PanelCache | None:
-    """The model file's panel cache for weights of `dtype`, or None where the file is not cached or
-    pack_float would not give this CPU's kernel panels."""
-    if device.type != "cpu" or not panel_dtype(dtype) or cpu_kernels.linear_kernel() is None:
-        return None
-    entry = entry_dir(path)
+def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool = False) -> PanelCache | None:
+    """The model file's panel cache for weights of `dtype` (mixed: under float32 arithmetic, which takes
+    the plain layout whatever the CPU), or None where the file is not cached or pack_float would not give
+    this CPU's kernel panels."""
+    layout = None
+    if device.type == "cpu":
+        layout = "plain" if mixed and cpu_kernels.linear_kernel() is not None else panel_layout(dtype)
+    entry = entry_dir(path) if layout is not None else None
     if entry is None:
         return None
-    name = str(dtype).removeprefix("torch.")
+    name = str(dtype).removeprefix("torch.") + ("-pairs" if layout == "pairs" else "")
     return PanelCache(entry / f"panels-{name}.safetensors", f"{entry.name}-{name}-{cpu_kernels.PANEL}")
 
 
@@ -340,7 +342,7 @@ def _map_panels(file: Path, key: str) -> dict[str, PanelWeight]:
         for name, info in header.items():
             dtype, shape = _SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
             begin, end = (8 + length + o for o in info["data_offsets"])
-            if len(shape) != 3 or end > len(mapping) or end - begin != math.prod(shape) * dtype.itemsize:
+            if len(shape) not in (3, 4) or end > len(mapping) or end - begin != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"{name}: shape {shape} and offsets {info['data_offsets']} disagree")
             panels[name] = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=begin).view(shape)
         if set(panels) != set(out_features):
@@ -350,7 +352,8 @@ def _map_panels(file: Path, key: str) -> dict[str, PanelWeight]:
         file.unlink(missing_ok=True)
         return {}
     logger.info("weight cache: packed weights mapped from %s", file)
-    return {name: PanelWeight(p, torch.Size((out_features[name], p.shape[1]))) for name, p in panels.items()}
+    return {name: PanelWeight(p, torch.Size((out_features[name], cpu_kernels.panel_in_features(p))))
+            for name, p in panels.items()}
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16}

@@ -18,7 +18,7 @@ from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.model import cpu_kernels
 from iterserve.model.loader import load_model_arch, load_weights
-from iterserve.model.quant import PanelWeight, linear, pack_float
+from iterserve.model.quant import PanelWeight, linear, pack_float, panel_layout
 from iterserve.sampling_params import SamplingParams
 from tests.model.test_llama import tiny_checkpoint
 
@@ -81,6 +81,44 @@ def test_bfloat16_panels_under_float32_activations(m, n, k, flags):
     packed = pack_float(w, panels=True)
     assert isinstance(packed, PanelWeight) and packed.panels.dtype == torch.bfloat16
     torch.testing.assert_close(linear(x, packed, bias), F.linear(x, w.float(), bias), atol=1e-5 * k ** 0.5, rtol=1e-5)
+
+
+needs_pairs = pytest.mark.skipif(not cpu_kernels.linear_pairs_supported(), reason="the pairs layout needs AVX-512 BF16")
+
+
+@needs_pairs
+@pytest.mark.parametrize("m,n,k", [(m, n, k + k % 2) for m, n, k in SHAPES])
+def test_bfloat16_pairs_are_summed_in_float32_and_rounded_once(m, n, k):
+    """AVX-512 BF16 dot products over the pairs layout: the float32 product of the bf16 values, plus bias,
+    rounded to bf16 once (vdpbf16ps sums each pair's two products before adding them: a last bit at most).
+    Rows read in place (one tile, strided) and packed (several tiles)."""
+    torch.manual_seed(m + 3 * n + k)
+    w, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    x = torch.randn(m, 3, k).bfloat16()[:, 1]
+    panels = cpu_kernels.pack_panels(w, pairs=True)
+    assert panels.shape == (-(-n // cpu_kernels.PANEL), k // 2, cpu_kernels.PANEL, 2)
+    assert cpu_kernels.panel_in_features(panels) == k
+    for b in (None, bias):
+        got = cpu_kernels.linear(x, panels, n, b)
+        want = F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n) and got.is_contiguous()
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=2 ** -7)
+        assert (got != want).float().mean().nan_to_num() < 0.02
+    ids = torch.tensor([n - 1, 0, n // 2])  # a tied embedding's lookups read the head's panels
+    assert torch.equal(cpu_kernels.panel_rows(panels, ids), w[ids])
+
+
+def test_the_pairs_layout_wants_bfloat16_and_an_even_k_and_a_bf16_build():
+    with pytest.raises(ValueError, match="even number of inputs"):
+        cpu_kernels.pack_panels(torch.randn(8, 5).bfloat16(), pairs=True)
+    with pytest.raises(ValueError, match="even number of inputs"):
+        cpu_kernels.pack_panels(torch.randn(8, 4), pairs=True)
+    if cpu_kernels.linear_kernel(("-mno-avx512bf16",)) is None:
+        pytest.skip("cpu_linear.cpp not built here")
+    assert not cpu_kernels.linear_pairs_supported(("-mno-avx512bf16",))
+    panels = cpu_kernels.pack_panels(torch.randn(8, 4).bfloat16(), pairs=True)
+    with pytest.raises(ValueError, match="no AVX-512 BF16"):
+        cpu_kernels.linear(torch.randn(2, 4).bfloat16(), panels, 8, None, cpu_kernels.linear_kernel(("-mno-avx512bf16",)))
 
 
 @needs_kernel
@@ -171,15 +209,21 @@ def test_panels_are_carved_from_shared_huge_page_mappings_and_freed_with_their_w
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags,panels", [(b"flags : avx512f avx512bw", True), (b"flags : avx512f avx512_bf16", False),
-                                          (b"flags : avx512f amx_bf16", False)])
-def test_bfloat16_weights_take_panels_only_where_the_cpu_lacks_native_bf16(monkeypatch, flags, panels):
-    """Without AVX-512 BF16 / AMX oneDNN emulates bf16; with them it runs natively and keeps the weights."""
+@pytest.mark.parametrize("flags,layout", [(b"flags : avx512f avx512bw", "plain"), (b"flags : avx512f avx512_bf16", "pairs"),
+                                          (b"flags : avx512f avx512_bf16 amx_bf16", None)])
+def test_bfloat16_weights_take_the_panels_this_cpu_runs_fastest(monkeypatch, flags, layout):
+    """Without AVX-512 BF16 / AMX oneDNN emulates bf16: the kernel widens plain panels. With AVX-512 BF16
+    the kernel's dot products take the pairs layout (where this build has them); with AMX oneDNN keeps them."""
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    if layout == "pairs" and not cpu_kernels.linear_pairs_supported():
+        layout = None
     torch.manual_seed(3)
     w, x, bias = torch.randn(70, 48).bfloat16(), torch.randn(3, 48).bfloat16(), torch.randn(70).bfloat16()
     packed = pack_float(w)
-    assert isinstance(packed, PanelWeight) == panels and isinstance(pack_float(w.float()), PanelWeight)
+    assert panel_layout(torch.bfloat16) == layout and isinstance(pack_float(w.float()), PanelWeight)
+    assert isinstance(packed, PanelWeight) == (layout is not None)
+    if layout is not None:
+        assert packed.panels.dim() == (4 if layout == "pairs" else 3)
     got = linear(x, packed, bias)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), bias.float()), atol=1e-5, rtol=2 ** -7)

@@ -9,7 +9,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.model import cpu_kernels
-from iterserve.model.quant import (INT4_GROUP, PackedFloatWeight, PanelWeight, linear, pack_float, panel_dtype, quantize,
+from iterserve.model.quant import (INT4_GROUP, PackedFloatWeight, PanelWeight, linear, pack_float, panel_layout, quantize,
                                      quantize_int4)
 from iterserve.sampling_params import SamplingParams
 
@@ -75,7 +75,7 @@ def test_pack_float_declines_what_onednn_cannot_take():
 def test_cpu_model_packs_its_float_weights():
     runner = ModelRunner(EngineConfig(num_kv_blocks=8, dtype="bfloat16"))
     layer = runner.model.layers[0]
-    kind = PanelWeight if panel_dtype(torch.bfloat16) and cpu_kernels.linear_kernel() else PackedFloatWeight
+    kind = PanelWeight if panel_layout(torch.bfloat16) else PackedFloatWeight
     assert all(isinstance(w, kind) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert isinstance(runner.model.lm_head, kind)
     # a tied embedding is read from the head's panels, not held twice; oneDNN's layout cannot be read so

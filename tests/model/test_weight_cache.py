@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.model import cpu_kernels, loader, weight_cache
-from iterserve.model.quant import PanelWeight
+from iterserve.model.quant import PanelWeight, panel_layout
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.model.test_loader import write_tiny_gguf
@@ -171,12 +171,17 @@ def panels_of(runner: ModelRunner) -> list[torch.Tensor]:
 
 
 @needs_panels
-@pytest.mark.parametrize("dtype", ["float32", "bf16-storage"])
+@pytest.mark.parametrize("dtype", ["float32", "bf16-storage", "bfloat16"])
 def test_a_warm_start_maps_the_panels_a_cold_start_packed(gguf, cache, monkeypatch, dtype):
+    """bfloat16 arithmetic takes panels where the CPU lacks native bf16 (plain) or has AVX-512 BF16 (pairs)."""
+    layout = {"float32": "plain", "bf16-storage": "plain", "bfloat16": panel_layout(torch.bfloat16)}[dtype]
+    if layout is None:
+        pytest.skip("bfloat16 weights stay oneDNN's on this CPU")
     monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)  # the tiny GGUF has no vocabulary
     cold = runner_of(gguf, dtype=dtype)
     (file,) = entries(cache)[0].glob("panels-*.safetensors")
-    assert file.name == f"panels-{'float32' if dtype == 'float32' else 'bfloat16'}.safetensors"
+    name = "float32" if dtype == "float32" else "bfloat16-pairs" if layout == "pairs" else "bfloat16"
+    assert file.name == f"panels-{name}.safetensors"
     read = []
     real = weight_cache.LazyWeights.__getitem__
     monkeypatch.setattr(weight_cache.LazyWeights, "__getitem__", lambda self, name: read.append(name) or real(self, name))
