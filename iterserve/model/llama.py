@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from iterserve.model import cpu_kernels
 from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
+from iterserve.model.cpu_decode import DecodeLayers
 from iterserve.model.loader import ModelArch
 from iterserve.model.quant import PanelWeight, Weight, check_supported, linear, pack_float, quantize
 
@@ -140,6 +141,7 @@ class LlamaModel:
         self.cpu_ops = self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES and \
             cpu_kernels.elementwise_ops() is not None
         self.silu = cfg.hidden_act == "silu"  # else gelu_tanh
+        self.decode_layers = DecodeLayers.build(self)  # decode-only steps' layer loop in C, where it runs them
 
     def _norm_weight(self, weight: torch.Tensor | None) -> torch.Tensor | None:
         """A norm's weight in the arithmetic's dtype (the fused kernels take one dtype), offset where the family does."""
@@ -200,8 +202,11 @@ class LlamaModel:
         x, delta = self._embed(input_ids), None
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        for i, layer in enumerate(self.layers):
-            x, delta = self._layer_forward(x, delta, layer, kv_cache[i], plan, positions, cos_sin)
+        if self.decode_layers is not None and self.decode_layers.runs(plan, kv_cache):
+            x, delta = self.decode_layers(x, positions, kv_cache, plan)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, delta = self._layer_forward(x, delta, layer, kv_cache[i], plan, positions, cos_sin)
         h = self._rms_norm(delta.index_select(0, logits_indices), self.norm, x.index_select(0, logits_indices))
         logits = linear(h, self.lm_head)
         if self.tp is not None:

@@ -1,0 +1,98 @@
+// A decode step's decoder layers in one call (see cpu_decode.py): the loop LlamaModel._layer_forward
+// runs in Python, calling the same C functions of cpu_ops.cpp, cpu_linear.cpp and cpu_attention.cpp,
+// here taken as function pointers, in the same order and with the same arguments. At one sequence a
+// step is ~300 such calls, and each costs a few microseconds of Python and ctypes around it: ~20% of
+// the step. Only the pre-norm SiLU layer is here (no q/k norm, no output norms, no experts).
+#include <cstdint>
+
+extern "C" {
+
+typedef void (*RmsNormFn)(int, const void*, void*, const void*, void*, int64_t, int64_t, float);
+typedef int (*LinearFn)(int, const void*, int64_t, const void*, const void*, void*, int64_t, int64_t, int64_t, int);
+typedef void (*RopeFn)(int, void*, int64_t, int64_t, int, int, const void*, const void*, const int64_t*);
+typedef void (*WriteKvFn)(const void*, int64_t, const void*, int64_t, void*, void*, const int64_t*, int64_t, int64_t);
+typedef void (*WriteKvInt8Fn)(int, const void*, int64_t, const void*, int64_t, void*, void*, const int64_t*, int64_t,
+                              int, int);
+typedef int (*AttentionFn)(int, const void*, int64_t, const void*, const void*, const int32_t*, int64_t,
+                           const int32_t*, void*, int, int, int, int, int, float, int, int, float);
+typedef void (*SiluMulFn)(int, const void*, void*, int64_t, int64_t);
+
+struct DecodeLayer {  // one layer's weights: the linears' panels, the norms' weights, its rope table
+    const void* attn_norm;
+    const void* qkv;
+    const void* qkv_bias;  // or null
+    const void* o;
+    const void* mlp_norm;
+    const void* gate_up;
+    const void* down;
+    const void* cos;
+    const void* sin;
+    int window;
+};
+
+struct DecodeStep {
+    RmsNormFn rms_norm;
+    LinearFn linear;
+    RopeFn rope;
+    WriteKvFn write_kv;  // one of these two: the other is null
+    WriteKvInt8Fn write_kv_int8;
+    AttentionFn attention;
+    SiluMulFn silu_mul;
+    int dtype;         // the arithmetic's, as the kernels code it: 0 float32, 1 bfloat16
+    int linear_dtype;  // cpu_linear.cpp's code for the panels
+    int num_threads;
+    int heads, kv_heads, head_dim, block_size;
+    int64_t rows, hidden, intermediate;
+    float eps, scale, softcap;
+    char* kv_cache;  // layer i's K at kv_cache + i * layer_bytes, its V v_offset bytes on
+    int64_t layer_bytes, v_offset;
+    const int64_t* positions;
+    const int64_t* slot_mapping;
+    const int32_t* block_tables;
+    int64_t table_stride;
+    const int32_t* seq_lens;
+    void* x;  // the residual stream [rows, hidden], updated in place
+    void* delta;  // out: the last layer's MLP output [rows, hidden], not yet added to x
+    void* h;  // scratch: [rows, hidden], [rows, qkv], [rows, q], [rows, 2 intermediate], [rows, intermediate]
+    void* qkv;
+    void* attn;
+    void* gate_up;
+    void* act;
+};
+
+// Returns 0, or the first nonzero code a kernel returned (the step's outputs are then undefined).
+int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int num_layers) {
+    const int64_t q_size = int64_t(s->heads) * s->head_dim, kv_size = int64_t(s->kv_heads) * s->head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, esize = s->dtype == 0 ? 4 : 2, m = s->rows;
+    char* qkv = static_cast<char*>(s->qkv);
+    int rc = 0;
+    for (int i = 0; i < num_layers && rc == 0; ++i) {
+        const DecodeLayer& l = layers[i];
+        char* k_cache = s->kv_cache + i * s->layer_bytes;
+        if (i == 0)
+            s->rms_norm(s->dtype, s->x, nullptr, l.attn_norm, s->h, m, s->hidden, s->eps);
+        else  // x += the last layer's MLP output, then normalized
+            s->rms_norm(s->dtype, s->delta, s->x, l.attn_norm, s->h, m, s->hidden, s->eps);
+        rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.qkv, l.qkv_bias, qkv, m, qkv_size, s->hidden, s->num_threads);
+        s->rope(s->dtype, qkv, m, qkv_size, s->heads + s->kv_heads, s->head_dim, l.cos, l.sin, s->positions);
+        const char *k = qkv + q_size * esize, *v = qkv + (q_size + kv_size) * esize;
+        if (s->write_kv_int8)
+            s->write_kv_int8(s->dtype, k, qkv_size, v, qkv_size, k_cache, k_cache + s->v_offset, s->slot_mapping, m,
+                             s->kv_heads, s->head_dim);
+        else
+            s->write_kv(k, qkv_size * esize, v, qkv_size * esize, k_cache, k_cache + s->v_offset, s->slot_mapping, m,
+                        kv_size * esize);
+        rc |= s->attention(s->dtype, qkv, qkv_size, k_cache, k_cache + s->v_offset, s->block_tables, s->table_stride,
+                           s->seq_lens, s->attn, int(m), s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale,
+                           s->num_threads, l.window, s->softcap);
+        rc |= s->linear(s->linear_dtype, s->attn, q_size, l.o, nullptr, s->delta, m, s->hidden, q_size, s->num_threads);
+        s->rms_norm(s->dtype, s->delta, s->x, l.mlp_norm, s->h, m, s->hidden, s->eps);
+        rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.gate_up, nullptr, s->gate_up, m, 2 * s->intermediate,
+                        s->hidden, s->num_threads);
+        s->silu_mul(s->dtype, s->gate_up, s->act, m, s->intermediate);
+        rc |= s->linear(s->linear_dtype, s->act, s->intermediate, l.down, nullptr, s->delta, m, s->hidden,
+                        s->intermediate, s->num_threads);
+    }
+    return rc;
+}
+}

@@ -1,0 +1,127 @@
+"""A decode step's decoder layers in one C call (cpu_decode.cpp), on CPU.
+
+LlamaModel._layer_forward runs a layer as ~10 calls into the C kernels (norms, linears, rotary, the
+K/V write, decode attention, silu-and-mul); at one sequence each call's Python and ctypes cost
+(measured: ~5 us a linear call, ~2.6 of them in ctypes itself) adds up to a fifth of the step.
+cpu_decode.cpp makes the same calls, in the same order and with the same arguments, from one loop
+in C: the results are bit for bit the Python loop's (tests/model/test_cpu_decode.py).
+
+It takes the layers the Python loop runs with the C kernels and nothing else: pre-norm, SiLU, no
+q/k norms, no output norms, no experts, every linear in the C kernel's panels, the K/V cache in the
+arithmetic's dtype or int8, a decode-only step through the paged decode kernel, no tensor
+parallelism. DecodeLayers.build says None for anything else, and the model keeps its Python loop.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from iterserve.model import cpu_kernels
+from iterserve.model.cpu_kernels import DTYPES, FLAGS, PAIRS, _build, _f32, _i32, _i64, _p
+from iterserve.model.quant import PanelWeight
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("attn_norm", "qkv", "qkv_bias", "o", "mlp_norm", "gate_up", "down", "cos",
+                                        "sin")] + [("window", _i32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = ([(name, _p) for name in ("rms_norm", "linear", "rope", "write_kv", "write_kv_int8", "attention",
+                                         "silu_mul")]
+                + [(name, _i32) for name in ("dtype", "linear_dtype", "num_threads", "heads", "kv_heads", "head_dim",
+                                             "block_size")]
+                + [(name, _i64) for name in ("rows", "hidden", "intermediate")]
+                + [(name, _f32) for name in ("eps", "scale", "softcap")]
+                + [("kv_cache", _p), ("layer_bytes", _i64), ("v_offset", _i64), ("positions", _p),
+                   ("slot_mapping", _p), ("block_tables", _p), ("table_stride", _i64), ("seq_lens", _p)]
+                + [(name, _p) for name in ("x", "delta", "h", "qkv", "attn", "gate_up", "act")])
+
+
+@functools.cache
+def _kernel():
+    fn = getattr(_build(SOURCE, FLAGS), "iterserve_decode_layers", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.POINTER(_Step), ctypes.POINTER(_Layer), _i32], _i32
+    return fn
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+class DecodeLayers:
+    """The model's layers as cpu_decode.cpp runs them: their weights' addresses, taken once."""
+
+    def __init__(self, model, kernel) -> None:
+        cfg, layers = model.cfg, model.layers
+        self.model, self.kernel, self.dtype = model, kernel, model.dtype
+        self.layers = (_Layer * len(layers))(*[_Layer(
+            l.attn_norm.data_ptr(), l.qkv.panels.data_ptr(), cpu_kernels._ptr(l.qkv_bias), l.o.panels.data_ptr(),
+            l.mlp_norm.data_ptr(), l.gate_up.panels.data_ptr(), l.down.panels.data_ptr(),
+            model.rope_tables[l.rope][0].data_ptr(), model.rope_tables[l.rope][1].data_ptr(), l.window)
+            for l in layers])
+        self.intermediate = layers[0].gate_up.shape[0] // 2
+        panels = layers[0].qkv.panels
+        self.linear_dtype = PAIRS if panels.dim() == 4 else DTYPES[panels.dtype]
+        ops = cpu_kernels.elementwise_ops()
+        self.fns = {"rms_norm": _address(ops.rms_norm), "linear": _address(cpu_kernels.linear_kernel()),
+                    "rope": _address(ops.rope), "silu_mul": _address(ops.silu_mul), "write_kv": _address(ops.write_kv),
+                    "write_kv_int8": _address(ops.write_kv_int8),
+                    "attention": _address(cpu_kernels.decode_attention_kernel()),
+                    "attention_int8": _address(cpu_kernels.decode_attention_int8_kernel())}
+
+    @staticmethod
+    def build(model) -> DecodeLayers | None:
+        """DecodeLayers for the model, or None where cpu_decode.cpp cannot run its layers (see the top)."""
+        cfg, layers = model.cfg, model.layers
+        if not model.cpu_ops or not model.silu or model.tp is not None or model.attention.name != "torch":
+            return None
+        if cfg.norm_placement != "pre" or cfg.qk_norm != "none":
+            return None
+        if any(l.experts is not None or l.attn_norm is None or l.mlp_norm is None for l in layers):
+            return None
+        weights = [w for l in layers for w in (l.qkv, l.o, l.gate_up, l.down)]
+        if not all(isinstance(w, PanelWeight) for w in weights):
+            return None
+        if {(w.panels.dim(), w.panels.dtype) for w in weights} != {(layers[0].qkv.panels.dim(), model.dtype)}:
+            return None  # one layout, in the arithmetic's dtype (not bf16-storage's mixed panels)
+        kernel = _kernel()
+        if kernel is None or cpu_kernels.decode_attention_kernel() is None or \
+                cpu_kernels.decode_attention_int8_kernel() is None:
+            return None
+        return DecodeLayers(model, kernel)
+
+    def runs(self, plan, kv_cache: torch.Tensor) -> bool:
+        """Whether this step is one it runs: decode rows only, through the paged kernel, a cache it reads."""
+        return plan.decode_all and plan.decode_tables is not None and kv_cache.is_contiguous() and \
+            kv_cache.dtype in (self.dtype, torch.int8)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, hidden] (the embedded tokens, updated in place) -> (x, delta) as the Python loop leaves them."""
+        m, cfg = x.shape[0], self.model.cfg
+        q_size, kv_size = self.model.q_size, self.model.kv_size
+        empty = lambda n: torch.empty(m, n, dtype=self.dtype)  # noqa: E731
+        delta, h, qkv, attn = empty(cfg.hidden_size), empty(cfg.hidden_size), empty(q_size + 2 * kv_size), empty(q_size)
+        gate_up, act = empty(2 * self.intermediate), empty(self.intermediate)
+        int8 = kv_cache.dtype == torch.int8
+        f, size = self.fns, kv_cache.element_size()
+        tables = plan.decode_tables
+        step = _Step(f["rms_norm"], f["linear"], f["rope"], None if int8 else f["write_kv"],
+                     f["write_kv_int8"] if int8 else None, f["attention_int8" if int8 else "attention"], f["silu_mul"],
+                     DTYPES[self.dtype], self.linear_dtype, plan.num_threads, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.head_dim, plan.block_size, m, cfg.hidden_size, self.intermediate, cfg.rms_norm_eps,
+                     self.model.scale, cfg.attn_logit_softcap, kv_cache.data_ptr(), kv_cache.stride(0) * size,
+                     kv_cache.stride(1) * size, positions.data_ptr(), plan.slot_mapping.data_ptr(), tables.data_ptr(),
+                     tables.stride(0), plan.decode_seq_lens.data_ptr(), x.data_ptr(), delta.data_ptr(), h.data_ptr(),
+                     qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr())
+        rc = self.kernel(ctypes.byref(step), self.layers, len(self.layers))
+        if rc != 0:
+            raise ValueError(f"decode layers: a kernel declined (code {rc})")
+        return x, delta

@@ -1,0 +1,96 @@
+"""A decode step's layers in one C call (cpu_decode.cpp) against the Python layer loop: the same
+kernels, in the same order, on the same arguments, so the same bits in the logits and in the cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve.model import cpu_decode, cpu_kernels
+from iterserve.model.kv_quant import SCALE_BYTES
+from iterserve.model.llama import LlamaModel
+from iterserve.model.loader import load_model_arch, load_weights
+from tests.model.test_families import build_checkpoint
+from tests.model.test_llama import BS, metadata
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.linear_kernel() is None or cpu_kernels.elementwise_ops() is None,
+                                   reason="the C kernels do not build here")
+PROMPTS = [5, 9, 14]  # three sequences, each in its own blocks
+TABLES = [list(range(16 * i, 16 * i + 16)) for i in range(len(PROMPTS))]
+
+
+def model_of(path, dtype: torch.dtype) -> LlamaModel:
+    arch = load_model_arch(str(path))
+    return LlamaModel(arch, load_weights(str(path), arch, dtype), BS, dtype=dtype)
+
+
+def empty_cache(model: LlamaModel, kv: str) -> torch.Tensor:
+    cfg = model.cfg
+    width = cfg.head_dim + (SCALE_BYTES if kv == "int8" else 0)
+    return torch.zeros(cfg.num_layers, 2, 16 * len(PROMPTS), BS, cfg.num_kv_heads, width,
+                       dtype=torch.int8 if kv == "int8" else model.dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["llama", "llama3.2", "mistral", "qwen2", "granite", "phi3"])
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
+def test_decode_steps_in_c_give_the_python_loops_logits_and_cache(tmp_path, family, dtype, kv, monkeypatch):
+    build_checkpoint(tmp_path, family)
+    model = model_of(tmp_path, getattr(torch, dtype))
+    if model.decode_layers is None:
+        assert dtype == "bfloat16" and cpu_kernels.cpu_has_bf16() and not cpu_kernels.linear_pairs_supported()
+        pytest.skip("bfloat16 weights stay oneDNN's on this CPU")
+    calls = []
+    real = cpu_decode.DecodeLayers.__call__
+    monkeypatch.setattr(cpu_decode.DecodeLayers, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    cache = empty_cache(model, kv)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.cfg.vocab_size, (sum(PROMPTS),), generator=g)
+    positions = torch.cat([torch.arange(n) for n in PROMPTS])
+    with torch.inference_mode():
+        model.forward(ids, positions, cache, metadata(PROMPTS, PROMPTS, TABLES), torch.arange(len(PROMPTS)))
+        assert not calls  # prompt rows: the Python loop
+        lens = list(PROMPTS)
+        for _ in range(12):  # past the sliding window and across blocks
+            lens = [n + 1 for n in lens]
+            ids = torch.randint(3, model.cfg.vocab_size, (len(lens),), generator=g)
+            positions, md = torch.tensor([n - 1 for n in lens]), metadata([1] * len(lens), lens, TABLES)
+            before = cache.clone()
+            got = model.forward(ids, positions, cache, md, torch.arange(len(lens)))
+            got_cache, cache = cache, before
+            decode_layers, model.decode_layers = model.decode_layers, None
+            want = model.forward(ids, positions, cache, md, torch.arange(len(lens)))
+            model.decode_layers = decode_layers
+            assert torch.equal(got, want) and torch.equal(got_cache, cache)
+    assert len(calls) == 12
+
+
+@needs_kernels
+def test_a_step_with_prompt_rows_runs_the_python_loop(tmp_path, monkeypatch):
+    build_checkpoint(tmp_path, "llama")
+    model = model_of(tmp_path, torch.float32)
+    assert model.decode_layers is not None
+    monkeypatch.setattr(cpu_decode.DecodeLayers, "__call__", lambda *a: pytest.fail("a mixed step ran in C"))
+    cache = empty_cache(model, "auto")
+    with torch.inference_mode():  # one decode row beside a prompt
+        md = metadata([1, 4], [6, 4], TABLES[:2])
+        logits = model.forward(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([5, 0, 1, 2, 3]), cache, md,
+                               torch.tensor([0, 4]))
+    assert logits.shape == (2, model.cfg.vocab_size)
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "olmo2", "qwen3_moe"])
+def test_layers_it_does_not_implement_keep_the_python_loop(tmp_path, family):
+    """q/k norms, sandwich or post norms, experts: DecodeLayers.build declines, whatever the step."""
+    build_checkpoint(tmp_path, family)
+    assert model_of(tmp_path, torch.float32).decode_layers is None
+
+
+@needs_kernels
+def test_bf16_storage_and_quantized_weights_keep_the_python_loop(tmp_path):
+    build_checkpoint(tmp_path, "llama")
+    arch = load_model_arch(str(tmp_path))
+    mixed = LlamaModel(arch, load_weights(str(tmp_path), arch, torch.bfloat16), BS, dtype=torch.float32)
+    assert mixed.decode_layers is None  # bf16 panels under float32 arithmetic
+    quantized = LlamaModel(arch, load_weights(str(tmp_path), arch), BS, quantization="int8")
+    assert quantized.decode_layers is None
