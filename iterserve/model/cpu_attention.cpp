@@ -14,8 +14,9 @@
 //
 // An int8 cache (--kv-cache-dtype int8, kv_quant.py) goes through the same code with the cache's
 // element type as a template parameter (KV): each head's row is head_dim int8 values and their
-// float32 scale; values are widened in registers, K's scale multiplies the scores of its position and
-// V's the probability that weighs its row. Nothing is dequantized into memory.
+// float32 scale; values are widened in registers (K to int16 against a bf16 query quantized to int16,
+// an integer dot product), K's scale multiplies the scores of its position and V's the probability
+// that weighs its row. Nothing is dequantized into memory.
 //
 // Plain C ABI, no torch headers, so it builds in about a second; OpenMP resolves to the libgomp
 // torch has already loaded, so it shares torch's thread pool instead of starting a second one.
@@ -164,17 +165,27 @@ template <typename KV> struct SeqRows {
 
 // a[0..15] -> one vector of their 16 horizontal sums, in order: a transpose-and-add tree, ~2 ops
 // per sum instead of the ~8 of a reduction each.
-inline __m512 reduce16(const __m512* a) {
+// The shuffles move bits, so `add` decides what the lanes hold: float32, or int32 (reduce16i).
+template <typename Add> inline __m512 reduce16_by(const __m512* a, Add add) {
     __m512 s8[8], s4[4];
     for (int i = 0; i < 8; ++i)
-        s8[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+        s8[i] = add(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
     for (int i = 0; i < 4; ++i) {
         const __m512d x = _mm512_castps_pd(s8[2 * i]), y = _mm512_castps_pd(s8[2 * i + 1]);
-        s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+        s4[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], 0x88), _mm512_shuffle_f32x4(s4[0], s4[1], 0xDD));
-    const __m512 v2 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], 0x88), _mm512_shuffle_f32x4(s4[2], s4[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(v1, v2, 0x88), _mm512_shuffle_f32x4(v1, v2, 0xDD));
+    const __m512 v1 = add(_mm512_shuffle_f32x4(s4[0], s4[1], 0x88), _mm512_shuffle_f32x4(s4[0], s4[1], 0xDD));
+    const __m512 v2 = add(_mm512_shuffle_f32x4(s4[2], s4[3], 0x88), _mm512_shuffle_f32x4(s4[2], s4[3], 0xDD));
+    return add(_mm512_shuffle_f32x4(v1, v2, 0x88), _mm512_shuffle_f32x4(v1, v2, 0xDD));
+}
+inline __m512 reduce16(const __m512* a) {
+    return reduce16_by(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+}
+inline __m512 reduce16i(const __m512i* a) {  // int32 lanes in, their float32 sums out
+    const __m512 sums = reduce16_by(reinterpret_cast<const __m512*>(a), [](__m512 x, __m512 y) {
+        return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
+    });
+    return _mm512_cvtepi32_ps(_mm512_castps_si512(sums));
 }
 
 inline __m512 load16(const int8_t* p) {  // an int8 cache's values, widened
@@ -208,6 +219,42 @@ template <int D> struct Dot<D, uint16_t, uint16_t> {  // bf16 pairs straight fro
     static constexpr bool scaled = false;  // scale applied to the sums
 };
 #endif
+#if defined(__AVX512BW__)
+// An int8 cache's Q.K for a bf16 query, in integers: the query quantized to int16 (one scale a head,
+// max|q| / 32767: an error far below bf16's own rounding of q), each K row widened to int16 once for
+// the group's heads, products summed pairwise into int32 (vpdpwssd; vpmaddwd + add without VNNI).
+// Widening K to float32 instead made the kernel compute-bound on an int8 cache (slower than bf16's).
+// |sum| <= D * 32767 * 127 < 2^31 for D <= 256.
+template <int D> struct DotI16 {
+    __m512i q[D / 32];
+    float q_scale;
+    void set(const uint16_t* src, float scale) {
+        __m512 x[D / 16], top = _mm512_setzero_ps();
+        for (int c = 0; c < D / 16; ++c) top = _mm512_max_ps(top, _mm512_abs_ps(x[c] = load16(src + 16 * c)));
+        const float max_abs = _mm512_reduce_max_ps(top);
+        q_scale = max_abs / 32767.f * scale;
+        const __m512 to_int = _mm512_set1_ps(max_abs > 0.f ? 32767.f / max_abs : 0.f);
+        alignas(64) int16_t q16[D];
+        for (int c = 0; c < D / 16; ++c)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(q16 + 16 * c),
+                               _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[c], to_int))));
+        for (int c = 0; c < D / 32; ++c) q[c] = _mm512_load_si512(q16 + 32 * c);
+    }
+    __m512i operator()(const int16_t* k) const {
+        __m512i a = _mm512_setzero_si512();
+        for (int c = 0; c < D / 32; ++c) {
+            const __m512i kc = _mm512_load_si512(k + 32 * c);
+#if defined(__AVX512VNNI__)
+            a = _mm512_dpwssd_epi32(a, q[c], kc);
+#else
+            a = _mm512_add_epi32(a, _mm512_madd_epi16(q[c], kc));
+#endif
+        }
+        return a;
+    }
+    static constexpr bool scaled = true;  // in q_scale
+};
+#endif
 
 // One sequence (or one slice of it), all heads. The K pass reads each cache slot (all kv heads of one
 // position) whole and in order and scores 16 positions per vector; the P.V pass goes block by block
@@ -223,9 +270,17 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
     const int H = num_kv_heads * G;
     const size_t row = size_t(num_kv_heads) * W;  // elements per cache slot
     // An int8 cache's K rows are widened once per 16 positions and kv head, into `wide` (in L1), for
-    // all G query heads: widening inside each head's dot would repeat it G times.
+    // all G query heads: widening inside each head's dot would repeat it G times. Under a bf16 query
+    // they are widened to int16 for the integer dot (DotI16), else to float32.
+#if defined(__AVX512BW__)
+    constexpr bool int_dot = quantized && std::is_same_v<T, uint16_t>;
+    using KDot = std::conditional_t<int_dot, DotI16<D>, std::conditional_t<quantized, Dot<D, T, float>, Dot<D, T, KV>>>;
+#else
+    constexpr bool int_dot = false;
     using KDot = std::conditional_t<quantized, Dot<D, T, float>, Dot<D, T, KV>>;
-    alignas(64) float wide[quantized ? 16 * D : 1];
+#endif
+    using Wide = std::conditional_t<int_dot, int16_t, float>;
+    alignas(64) Wide wide[quantized ? 16 * D : 1];
     KDot dots[kMaxHeads];
     for (int j = 0; j < H; ++j) dots[j].set(q + j * D, scale);
     const __m512 post_scale = _mm512_set1_ps(KDot::scaled ? 1.f : scale);
@@ -246,7 +301,25 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
                     _mm512_storeu_ps(s + size_t(g) * padded + p0, _mm512_mul_ps(reduce16(partial), row_scale));
                 }
             };
-            if constexpr (quantized) {
+            if constexpr (int_dot) {
+#if defined(__AVX512BW__)
+                alignas(64) float ks[16];  // the 16 positions' K scales, one per lane
+                for (int r = 0; r < 16; ++r) {
+                    const KV* k = rows[r] + h * W;
+                    for (int c = 0; c < D / 32; ++c)
+                        _mm512_store_si512(wide + r * D + 32 * c,
+                                           _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 32 * c))));
+                    ks[r] = CacheRow<KV>::scale(k, D);
+                }
+                const __m512 k_scale = _mm512_load_ps(ks);
+                __m512i sums[16];
+                for (int g = h * G; g < (h + 1) * G; ++g) {
+                    for (int r = 0; r < 16; ++r) sums[r] = dots[g](wide + r * D);
+                    _mm512_storeu_ps(s + size_t(g) * padded + p0,
+                                     _mm512_mul_ps(reduce16i(sums), _mm512_mul_ps(k_scale, _mm512_set1_ps(dots[g].q_scale))));
+                }
+#endif
+            } else if constexpr (quantized) {
                 alignas(64) float ks[16];  // the 16 positions' K scales, one per lane
                 for (int r = 0; r < 16; ++r) {
                     const KV* k = rows[r] + h * W;

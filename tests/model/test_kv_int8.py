@@ -112,14 +112,16 @@ def test_kernel_int8_splits_long_contexts_of_small_batches(threads):
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])  # AVX2; the portable loops
-def test_kernel_int8_builds_without_avx512_and_agrees(flags):
+# AVX-512 without VNNI (the integer Q.K of a bf16 query on vpmaddwd); AVX2; the portable loops
+@pytest.mark.parametrize("flags", [("-mno-avx512vnni",), ("-mno-avx512f",), ("-mno-avx2", "-mno-avx512f")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_int8_builds_without_avx512_and_agrees(flags, dtype):
     kernel = cpu_kernels.decode_attention_int8_kernel(flags)
     assert kernel is not None
     torch.manual_seed(5)
     cache = int8_cache(40, BS, 2, 64)
     tables = torch.randperm(40).to(torch.int32).view(5, 8).contiguous()
-    q = torch.randn(5, 6, 64)
+    q = torch.randn(5, 6, 64, dtype=dtype)
     decode_against_dequantized(cache, q, tables, torch.tensor([1, 7, 16, 17, 32], dtype=torch.int32), 0.35, 2,
                                kernel=kernel)
 
