@@ -94,9 +94,9 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64
 // Native bf16 (x, weights, bias and y all bf16) over panels of k pairs: pairs[p][k / 2][j][2] =
 // W[p * kPanel + j][k .. k + 1], so a 64-byte vector holds 16 outputs' pair and one vdpbf16ps adds
 // both products to each output's float32 sum: 32 multiply-adds an instruction, twice a float32
-// FMA's, with no widening. x's pair at k is one 32-bit broadcast (Packed: a tile buffer holding
-// each pair's R rows together). K is even (pack_panels' pairs layout asks for it).
-template <int R, bool Packed>
+// FMA's, with no widening. x's pair at k is one 32-bit broadcast, read in place (rows ldx apart).
+// K is even (pack_panels' pairs layout asks for it).
+template <int R>
 inline void tile_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y, int64_t ldy,
                        int valid, const uint16_t* bias) {
     __m512 a0[R], a1[R];
@@ -110,7 +110,7 @@ inline void tile_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
             int32_t pair;
-            std::memcpy(&pair, Packed ? x + k * R + 2 * r : x + r * ldx + k, 4);
+            std::memcpy(&pair, x + r * ldx + k, 4);
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
             a0[r] = _mm512_dpbf16_ps(a0[r], xb, w0);
             a1[r] = _mm512_dpbf16_ps(a1[r], xb, w1);
@@ -215,7 +215,7 @@ const float* widen_panel(const uint16_t* w, int64_t K) {
 }
 
 #if !defined(ITERSERVE_LINEAR_PAIRS)
-template <int R, bool Packed>  // declared only: a build without AVX-512 BF16 declines the pairs layout
+template <int R>  // declared only: a build without AVX-512 BF16 declines the pairs layout
 void tile_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y, int64_t ldy, int valid,
                 const uint16_t* bias);
 #endif
@@ -226,7 +226,7 @@ void tile_rows(int rows, const X* x, int64_t ldx, const W* w, int64_t K, T* y, i
                const T* bias) {
     if (rows == R) {
         if constexpr (Pairs)
-            tile_pairs<R, Packed>(x, ldx, w, K, y, ldy, valid, bias);
+            tile_pairs<R>(x, ldx, w, K, y, ldy, valid, bias);
         else
             tile<R, Packed>(x, ldx, w, K, y, ldy, valid, bias);
     } else if constexpr (R < kRows) {
@@ -236,21 +236,20 @@ void tile_rows(int rows, const X* x, int64_t ldx, const W* w, int64_t K, T* y, i
 
 // x [M, K] (rows ldx apart) @ W^T (+ bias) -> y [M, N] contiguous, all of type T; W's panels as above
 // (Pairs: the pairs layout, all bf16). Each thread takes a run of panels and computes every tile of rows
-// against each. One tile (M <= kRows) of float32, or of Pairs' bf16, reads x in place; otherwise x is
-// packed first, tile by tile (rows of near-equal height: 13 are 6 + 7), each tile's rows interleaved
-// k by k (Pairs: pair by pair, in bf16; else widened to float32), so a tile is one short stream rather
-// than kRows rows whose strides can alias in L1.
+// against each. Pairs' bf16 and one tile (M <= kRows) of float32 read x in place; otherwise x is
+// packed first, tile by tile (rows of near-equal height: 13 are 6 + 7), each tile's rows widened to
+// float32 and interleaved k by k, so a tile is one short stream. Packing bf16 for the pairs tiles (a
+// scalar transpose) was 6% of a 512-token prefill and bought nothing: without it, 7-9% less time at
+// 64 and 512 rows (measured on Zen 4, docs/performance.md).
 template <typename W, typename T, bool Pairs = false>
 void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
             int num_threads) {
-    using X = std::conditional_t<Pairs, uint16_t, float>;  // what a tile of x holds
     const int64_t num_panels = (N + kPanel - 1) / kPanel;
     const int64_t tiles = (M + kRows - 1) / kRows;
-    constexpr bool in_place = Pairs || std::is_same_v<T, float>;
-    const bool packed = tiles > 1 || !in_place;
-    static thread_local std::vector<X> buffer;  // at most max_num_batched_tokens x K values, kept for reuse
+    const bool packed = !Pairs && (tiles > 1 || !std::is_same_v<T, float>);
+    static thread_local std::vector<float> buffer;  // at most max_num_batched_tokens x K values, kept for reuse
     if (packed) buffer.resize(size_t(M * K));
-    X* xp = buffer.data();
+    float* xp = buffer.data();
     auto first_row = [&](int64_t t) { return M * t / tiles; };
 #pragma omp parallel num_threads(num_threads) if (num_panels > 1)
     {
@@ -259,13 +258,7 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
             for (int64_t t = 0; t < tiles; ++t) {
                 const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
                 for (int64_t k = 0; k < K; ++k)
-                    for (int64_t r = 0; r < rows; ++r) {
-                        const T v = x[(m0 + r) * ldx + k];
-                        if constexpr (Pairs)
-                            xp[m0 * K + (k & ~int64_t(1)) * rows + 2 * r + (k & 1)] = v;
-                        else
-                            xp[m0 * K + k * rows + r] = to_f32(v);
-                    }
+                    for (int64_t r = 0; r < rows; ++r) xp[m0 * K + k * rows + r] = to_f32(x[(m0 + r) * ldx + k]);
             }
         }
 #pragma omp for schedule(static)
@@ -286,14 +279,14 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
             }
             for (int64_t t = 0; t < tiles; ++t) {
                 const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
-                if constexpr (in_place) {
-                    if (!packed) {
-                        tile_rows<false, Pairs>(int(rows), reinterpret_cast<const X*>(x), ldx, w, K, y + n0, N, valid,
-                                                b);
+                if constexpr (!Pairs) {
+                    if (packed) {
+                        tile_rows<true, false>(int(rows), xp + m0 * K, 0, w, K, y + m0 * N + n0, N, valid, b);
                         continue;
                     }
                 }
-                tile_rows<true, Pairs>(int(rows), xp + m0 * K, 0, w, K, y + m0 * N + n0, N, valid, b);
+                if constexpr (Pairs || std::is_same_v<T, float>)
+                    tile_rows<false, Pairs>(int(rows), x + m0 * ldx, ldx, w, K, y + m0 * N + n0, N, valid, b);
             }
         }
     }
