@@ -588,12 +588,18 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
                 const int i = i0 + (t < n ? t : 0), r = i / G, g = i % G;
                 qp[t] = reinterpret_cast<const uint32_t*>(q + (tile * kTile + r) * q_stride + (h * G + g) * D);
             }
-            __m512 s4[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int d = 0; d < P; ++d) {
-                const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + d * 16);
-                for (int t = 0; t < 4; ++t)
-                    s4[t] = _mm512_dpbf16_ps(s4[t], (__m512bh)_mm512_set1_epi32(int(qp[t][d])), kv);
+            // Two sums per query vector (even and odd pairs), added after: four chains of P dependent
+            // dot products left the unit waiting on their latency.
+            __m512 s4[4], odd[4];
+            for (int t = 0; t < 4; ++t) s4[t] = odd[t] = _mm512_setzero_ps();
+            for (int d = 0; d < P; d += 2) {
+                const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + d * 16), k1 = (__m512bh)_mm512_loadu_si512(kb + d * 16 + 16);
+                for (int t = 0; t < 4; ++t) {
+                    s4[t] = _mm512_dpbf16_ps(s4[t], (__m512bh)_mm512_set1_epi32(int(qp[t][d])), k0);
+                    odd[t] = _mm512_dpbf16_ps(odd[t], (__m512bh)_mm512_set1_epi32(int(qp[t][d + 1])), k1);
+                }
             }
+            for (int t = 0; t < 4; ++t) s4[t] = _mm512_add_ps(s4[t], odd[t]);
             for (int t = 0; t < n; ++t) {
                 const int i = i0 + t, pos = first_pos + i / G;
                 const int valid = pos - b * kTile + 1;  // keys of this block at or before pos
