@@ -1,0 +1,133 @@
+"""The C++ attention kernels of a git revision against the working tree's, alternated in one process.
+
+    python benchmarks/attention_ab.py [--base HEAD] [--kv bf16,int8] [--layout scattered]
+                                      [--decode 32x640,64x256] [--prompt 512,2048] [--repeats 9]
+
+Builds cpu_attention.cpp (with its header) as it is at --base and as it is in the working tree, then
+times each kernel on the same inputs, the two builds one call after the other, and prints medians
+(ms) and the largest difference between their outputs. Decode: B sequences of `context` positions
+over the model's 30 layers (SmolLM2-135M's shapes: 9 query heads, 3 kv heads, head_dim 64, blocks
+of 16), K/V random; --layout scattered gives every sequence its own blocks in random order (as a
+running server's cache), cached lets every sequence share one sequence's blocks (they stay in
+cache: the kernel's arithmetic alone). Prompt: one layer's causal attention over T tokens. The
+machine may be shared: compare the two columns of one run, never figures across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from iterserve.model import cpu_kernels
+from iterserve.model.kv_quant import quantize_kv
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+SOURCES = ("cpu_attention.cpp", "cpu_common.h")
+PROMPT_ARGS = [cpu_kernels._i32, cpu_kernels._p, cpu_kernels._i64, cpu_kernels._p, cpu_kernels._i64, cpu_kernels._p,
+               cpu_kernels._i64, cpu_kernels._p] + [cpu_kernels._i32] * 5 + [cpu_kernels._f32] + [cpu_kernels._i32] * 2
+
+
+def build(source: Path) -> dict:
+    lib = cpu_kernels._build(source, cpu_kernels.FLAGS)
+    if lib is None:
+        raise SystemExit(f"could not build {source}")
+    return {"bf16": cpu_kernels._bind(lib, "iterserve_decode_attention", cpu_kernels._DECODE_ARGS, cpu_kernels._i32),
+            "int8": cpu_kernels._bind(lib, "iterserve_decode_attention_int8", cpu_kernels._DECODE_ARGS,
+                                      cpu_kernels._i32),
+            "prompt": cpu_kernels._bind(lib, "iterserve_prompt_attention", PROMPT_ARGS, cpu_kernels._i32)}
+
+
+def checkout(rev: str, into: Path) -> Path:
+    """The kernel sources at `rev`, written into `into`; the path of its cpu_attention.cpp."""
+    root = Path(__file__).resolve().parent.parent
+    for name in SOURCES:
+        text = subprocess.run(["git", "show", f"{rev}:iterserve/model/{name}"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout
+        (into / name).write_text(text)
+    return into / SOURCES[0]
+
+
+def alternate(calls, repeats: int) -> list[float]:
+    """Median seconds of each call, the calls taking turns."""
+    times = [[] for _ in calls]
+    for _ in range(repeats):
+        for i, call in enumerate(calls):
+            t = time.perf_counter()
+            call()
+            times[i].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: str, repeats: int) -> str:
+    blocks = -(-(context + 1) // BLOCK)
+    total = batch * blocks if layout == "scattered" else blocks
+    x = torch.randn(LAYERS, 2, total, BLOCK, KV_HEADS, HEAD_DIM) * 0.3
+    cache = quantize_kv(x) if kv == "int8" else x.to(torch.bfloat16)
+    if layout == "scattered":
+        tables = torch.randperm(total).to(torch.int32).view(batch, blocks).contiguous()
+    else:
+        tables = torch.arange(blocks, dtype=torch.int32).repeat(batch, 1).contiguous()
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(torch.bfloat16)
+    lens = torch.full((batch,), context + 1, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    outs = [None] * len(kernels)
+
+    def run(i: int):
+        for layer in cache:
+            outs[i] = cpu_kernels.decode_attention(q, layer[0], layer[1], tables, lens, HEAD_DIM ** -0.5, threads,
+                                                   kernel=kernels[i][kv])
+    base, ours = alternate([lambda: run(0), lambda: run(1)], repeats)
+    diff = (outs[0].float() - outs[1].float()).abs().max().item()
+    return (f"decode {kv:<5} B={batch:<3} context {context:<5} {1e3 * base:9.2f} {1e3 * ours:9.2f} "
+            f"{base / ours:7.2f}x  max|diff| {diff:.4f}")
+
+
+def prompt_case(kernels: list[dict], tokens: int, repeats: int) -> str:
+    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(tokens, width).to(torch.bfloat16)
+    q = qkv[:, : HEADS * HEAD_DIM]
+    k = qkv[:, HEADS * HEAD_DIM: (HEADS + KV_HEADS) * HEAD_DIM]
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:]
+    outs = [torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in kernels]
+    threads = torch.get_num_threads()
+
+    def run(i: int):
+        rc = kernels[i]["prompt"](1, q.data_ptr(), width, k.data_ptr(), width, v.data_ptr(), width, outs[i].data_ptr(),
+                                  tokens, tokens, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, threads, 0)
+        if rc != 0:
+            raise SystemExit("prompt attention is not built here (it needs AVX-512 BF16)")
+    base, ours = alternate([lambda: run(0), lambda: run(1)], repeats)
+    diff = (outs[0].float() - outs[1].float()).abs().max().item()
+    return f"prompt one layer, {tokens:<5} tokens  {1e3 * base:9.3f} {1e3 * ours:9.3f} {base / ours:7.2f}x  max|diff| {diff:.4f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
+    ap.add_argument("--kv", default="bf16,int8", help="decode caches: bf16, int8")
+    ap.add_argument("--layout", default="scattered", choices=["scattered", "cached"])
+    ap.add_argument("--decode", default="32x640,64x256", help="BxCONTEXT cases; empty: none")
+    ap.add_argument("--prompt", default="512,2048", help="prompt lengths; empty: none")
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    print("command: python", " ".join(sys.argv))
+    with tempfile.TemporaryDirectory(prefix="iterserve-ab-") as tmp:
+        kernels = [build(checkout(args.base, Path(tmp))), build(Path(cpu_kernels.SOURCE))]
+        print(f"{'case':<40} {args.base[:9]:>9} {'tree':>9}   ratio (ms)")
+        with torch.inference_mode():
+            for case in filter(None, args.decode.split(",")):
+                batch, context = (int(n) for n in case.split("x"))
+                for kv in args.kv.split(","):
+                    print(decode_case(kernels, kv, batch, context, args.layout, args.repeats), flush=True)
+            for tokens in filter(None, args.prompt.split(",")):
+                print(prompt_case(kernels, int(tokens), args.repeats), flush=True)
+
+
+if __name__ == "__main__":
+    main()
