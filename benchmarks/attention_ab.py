@@ -64,7 +64,9 @@ def alternate(calls, repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: str, repeats: int) -> str:
+def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: str,
+                repeats: int) -> tuple[float, float, float]:
+    """(base seconds, tree seconds, largest output difference) of one decode step's attention."""
     blocks = -(-(context + 1) // BLOCK)
     total = batch * blocks if layout == "scattered" else blocks
     x = torch.randn(LAYERS, 2, total, BLOCK, KV_HEADS, HEAD_DIM) * 0.3
@@ -83,12 +85,11 @@ def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: 
             outs[i] = cpu_kernels.decode_attention(q, layer[0], layer[1], tables, lens, HEAD_DIM ** -0.5, threads,
                                                    kernel=kernels[i][kv])
     base, ours = alternate([lambda: run(0), lambda: run(1)], repeats)
-    diff = (outs[0].float() - outs[1].float()).abs().max().item()
-    return (f"decode {kv:<5} B={batch:<3} context {context:<5} {1e3 * base:9.2f} {1e3 * ours:9.2f} "
-            f"{base / ours:7.2f}x  max|diff| {diff:.4f}")
+    return base, ours, (outs[0].float() - outs[1].float()).abs().max().item()
 
 
-def prompt_case(kernels: list[dict], tokens: int, repeats: int) -> str:
+def prompt_case(kernels: list[dict], tokens: int, repeats: int) -> tuple[float, float, float]:
+    """The same for one layer's causal attention over a prompt of `tokens`."""
     width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
     qkv = torch.randn(tokens, width).to(torch.bfloat16)
     q = qkv[:, : HEADS * HEAD_DIM]
@@ -103,8 +104,11 @@ def prompt_case(kernels: list[dict], tokens: int, repeats: int) -> str:
         if rc != 0:
             raise SystemExit("prompt attention is not built here (it needs AVX-512 BF16)")
     base, ours = alternate([lambda: run(0), lambda: run(1)], repeats)
-    diff = (outs[0].float() - outs[1].float()).abs().max().item()
-    return f"prompt one layer, {tokens:<5} tokens  {1e3 * base:9.3f} {1e3 * ours:9.3f} {base / ours:7.2f}x  max|diff| {diff:.4f}"
+    return base, ours, (outs[0].float() - outs[1].float()).abs().max().item()
+
+
+def row(case: str, base: float, ours: float, diff: float) -> str:
+    return f"{case:<40} {1e3 * base:9.3f} {1e3 * ours:9.3f} {base / ours:7.2f}x  max|diff| {diff:.4f}"
 
 
 def main() -> None:
@@ -124,9 +128,11 @@ def main() -> None:
             for case in filter(None, args.decode.split(",")):
                 batch, context = (int(n) for n in case.split("x"))
                 for kv in args.kv.split(","):
-                    print(decode_case(kernels, kv, batch, context, args.layout, args.repeats), flush=True)
+                    print(row(f"decode {kv} B={batch} context {context}",
+                              *decode_case(kernels, kv, batch, context, args.layout, args.repeats)), flush=True)
             for tokens in filter(None, args.prompt.split(",")):
-                print(prompt_case(kernels, int(tokens), args.repeats), flush=True)
+                print(row(f"prompt one layer, {tokens} tokens", *prompt_case(kernels, int(tokens), args.repeats)),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""benchmarks/attention_ab.py end to end against HEAD: the sources fetched from git are the tree's
+(on a clean tree), both builds bind, every case times both and their outputs agree exactly."""
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from iterserve.model import cpu_kernels
+
+ROOT = Path(__file__).parents[2]
+SCRIPT = ROOT / "benchmarks" / "attention_ab.py"
+_spec = importlib.util.spec_from_file_location("benchmarks_attention_ab", SCRIPT)
+ab = sys.modules["benchmarks_attention_ab"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab)
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.decode_attention_kernel() is None, reason="no C++ compiler here")
+
+
+def tree_matches_head() -> bool:
+    names = [f"iterserve/model/{n}" for n in ab.SOURCES]
+    return subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *names], cwd=ROOT).returncode == 0
+
+
+@needs_kernel
+def test_runs_against_head_and_both_builds_agree():
+    if not tree_matches_head():
+        pytest.skip("the kernels differ from HEAD in this tree")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = ab.checkout("HEAD", Path(tmp))
+        assert source.read_bytes() == Path(cpu_kernels.SOURCE).read_bytes()
+        kernels = [ab.build(source), ab.build(Path(cpu_kernels.SOURCE))]
+        for kv in ("bf16", "int8"):
+            base, ours, diff = ab.decode_case(kernels, kv, batch=3, context=40, layout="scattered", repeats=1)
+            assert base > 0 and ours > 0 and diff == 0.0
+        if cpu_kernels.prompt_attention_supported(torch.bfloat16, 64):
+            base, ours, diff = ab.prompt_case(kernels, tokens=40, repeats=1)
+            assert base > 0 and ours > 0 and diff == 0.0
