@@ -165,7 +165,7 @@ template <typename KV> struct SeqRows {
 
 // a[0..15] -> one vector of their 16 horizontal sums, in order: a transpose-and-add tree, ~2 ops
 // per sum instead of the ~8 of a reduction each.
-// The shuffles move bits, so `add` decides what the lanes hold: float32, or int32 (reduce16i).
+// The shuffles move bits, so `add` decides what the lanes hold: float32, or int32 (the __m512i overload).
 template <typename Add> inline __m512 reduce16_by(const __m512* a, Add add) {
     __m512 s8[8], s4[4];
     for (int i = 0; i < 8; ++i)
@@ -181,7 +181,7 @@ template <typename Add> inline __m512 reduce16_by(const __m512* a, Add add) {
 inline __m512 reduce16(const __m512* a) {
     return reduce16_by(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
 }
-inline __m512 reduce16i(const __m512i* a) {  // int32 lanes in, their float32 sums out
+inline __m512 reduce16(const __m512i* a) {  // int32 lanes in, their float32 sums out
     const __m512 sums = reduce16_by(reinterpret_cast<const __m512*>(a), [](__m512 x, __m512 y) {
         return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
     });
@@ -191,9 +191,14 @@ inline __m512 reduce16i(const __m512i* a) {  // int32 lanes in, their float32 su
 inline __m512 load16(const int8_t* p) {  // an int8 cache's values, widened
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+template <int D> inline void widen_row(const int8_t* k, float* dst) {  // an int8 K row for Dot<D, T, float>
+    for (int c = 0; c < D / 16; ++c) _mm512_store_ps(dst + 16 * c, load16(k + 16 * c));
+}
 
-// q . k partial sums (16 lanes) for one row; the query is kept in the form the dot wants.
+// q . k partial sums (16 lanes, summed by reduce16) for one row; the query is kept in the form the
+// dot wants. `scaled`: the softmax scale is in the query; head_scale(): what each sum is multiplied by.
 template <int D, typename T, typename KV> struct Dot {  // float32, or bf16 / int8 widened to float32
+    using Partial = __m512;
     __m512 q[D / 16];
     void set(const T* src, float scale) {
         for (int c = 0; c < D / 16; ++c) q[c] = _mm512_mul_ps(load16(src + 16 * c), _mm512_set1_ps(scale));
@@ -203,10 +208,12 @@ template <int D, typename T, typename KV> struct Dot {  // float32, or bf16 / in
         for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(q[c], load16(k + 16 * c), a);
         return a;
     }
+    float head_scale() const { return 1.f; }
     static constexpr bool scaled = true;
 };
 #if defined(__AVX512BF16__)
 template <int D> struct Dot<D, uint16_t, uint16_t> {  // bf16 pairs straight from the cache: no widening
+    using Partial = __m512;
     __m512bh q[D / 32];
     void set(const uint16_t* src, float) {
         for (int c = 0; c < D / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(src + 32 * c);
@@ -216,6 +223,7 @@ template <int D> struct Dot<D, uint16_t, uint16_t> {  // bf16 pairs straight fro
         for (int c = 0; c < D / 32; ++c) a = _mm512_dpbf16_ps(a, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
         return a;
     }
+    float head_scale() const { return 1.f; }
     static constexpr bool scaled = false;  // scale applied to the sums
 };
 #endif
@@ -225,7 +233,12 @@ template <int D> struct Dot<D, uint16_t, uint16_t> {  // bf16 pairs straight fro
 // the group's heads, products summed pairwise into int32 (vpdpwssd; vpmaddwd + add without VNNI).
 // Widening K to float32 instead made the kernel compute-bound on an int8 cache (slower than bf16's).
 // |sum| <= D * 32767 * 127 < 2^31 for D <= 256.
+template <int D> inline void widen_row(const int8_t* k, int16_t* dst) {  // an int8 K row for DotI16
+    for (int c = 0; c < D / 32; ++c)
+        _mm512_store_si512(dst + 32 * c, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 32 * c))));
+}
 template <int D> struct DotI16 {
+    using Partial = __m512i;
     __m512i q[D / 32];
     float q_scale;
     void set(const uint16_t* src, float scale) {
@@ -252,6 +265,7 @@ template <int D> struct DotI16 {
         }
         return a;
     }
+    float head_scale() const { return q_scale; }
     static constexpr bool scaled = true;  // in q_scale
 };
 #endif
@@ -291,42 +305,25 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
     const SeqRows<KV> seq{k_cache, v_cache, table, seq_len, block_size, row};
     seq.start();
     const KV* rows[16];
-    __m512 partial[16];
+    typename KDot::Partial partial[16];
     for (int p0 = 0; p0 < seq_len; p0 += 16) {  // 16 positions at a time, one score per lane
         seq.template fetch<16>(rows, p0);
         for (int h = 0; h < num_kv_heads; ++h) {
             auto score = [&](auto row_of, __m512 row_scale) {  // this kv head's query heads on the 16 rows
                 for (int g = h * G; g < (h + 1) * G; ++g) {
                     for (int r = 0; r < 16; ++r) partial[r] = dots[g](row_of(r));
-                    _mm512_storeu_ps(s + size_t(g) * padded + p0, _mm512_mul_ps(reduce16(partial), row_scale));
+                    _mm512_storeu_ps(s + size_t(g) * padded + p0,
+                                     _mm512_mul_ps(reduce16(partial), _mm512_mul_ps(row_scale, _mm512_set1_ps(dots[g].head_scale()))));
                 }
             };
-            if constexpr (int_dot) {
-#if defined(__AVX512BW__)
+            if constexpr (quantized) {
                 alignas(64) float ks[16];  // the 16 positions' K scales, one per lane
                 for (int r = 0; r < 16; ++r) {
                     const KV* k = rows[r] + h * W;
-                    for (int c = 0; c < D / 32; ++c)
-                        _mm512_store_si512(wide + r * D + 32 * c,
-                                           _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 32 * c))));
+                    widen_row<D>(k, wide + r * D);
                     ks[r] = CacheRow<KV>::scale(k, D);
                 }
-                const __m512 k_scale = _mm512_load_ps(ks);
-                __m512i sums[16];
-                for (int g = h * G; g < (h + 1) * G; ++g) {
-                    for (int r = 0; r < 16; ++r) sums[r] = dots[g](wide + r * D);
-                    _mm512_storeu_ps(s + size_t(g) * padded + p0,
-                                     _mm512_mul_ps(reduce16i(sums), _mm512_mul_ps(k_scale, _mm512_set1_ps(dots[g].q_scale))));
-                }
-#endif
-            } else if constexpr (quantized) {
-                alignas(64) float ks[16];  // the 16 positions' K scales, one per lane
-                for (int r = 0; r < 16; ++r) {
-                    const KV* k = rows[r] + h * W;
-                    for (int c = 0; c < C; ++c) _mm512_store_ps(wide + r * D + 16 * c, load16(k + 16 * c));
-                    ks[r] = CacheRow<KV>::scale(k, D);
-                }
-                score([&](int r) { return static_cast<const float*>(wide + r * D); },
+                score([&](int r) { return static_cast<const Wide*>(wide + r * D); },
                       _mm512_mul_ps(_mm512_load_ps(ks), post_scale));
             } else {
                 score([&](int r) { return rows[r] + h * W; }, post_scale);
