@@ -29,18 +29,13 @@ from iterserve.model.kv_quant import quantize_kv
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 SOURCES = ("cpu_attention.cpp", "cpu_common.h")
-PROMPT_ARGS = [cpu_kernels._i32, cpu_kernels._p, cpu_kernels._i64, cpu_kernels._p, cpu_kernels._i64, cpu_kernels._p,
-               cpu_kernels._i64, cpu_kernels._p] + [cpu_kernels._i32] * 5 + [cpu_kernels._f32] + [cpu_kernels._i32] * 2
 
 
 def build(source: Path) -> dict:
-    lib = cpu_kernels._build(source, cpu_kernels.FLAGS)
-    if lib is None:
+    functions = cpu_kernels.attention_functions(source)
+    if functions is None:
         raise SystemExit(f"could not build {source}")
-    return {"bf16": cpu_kernels._bind(lib, "iterserve_decode_attention", cpu_kernels._DECODE_ARGS, cpu_kernels._i32),
-            "int8": cpu_kernels._bind(lib, "iterserve_decode_attention_int8", cpu_kernels._DECODE_ARGS,
-                                      cpu_kernels._i32),
-            "prompt": cpu_kernels._bind(lib, "iterserve_prompt_attention", PROMPT_ARGS, cpu_kernels._i32)}
+    return functions
 
 
 def checkout(rev: str, into: Path) -> Path:

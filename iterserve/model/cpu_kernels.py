@@ -112,6 +112,18 @@ _p, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_f
 
 
 _DECODE_ARGS = [_i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32, _f32]
+_PROMPT_ARGS = [_i32, _p, _i64, _p, _i64, _p, _i64, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32]
+
+
+def attention_functions(source: Path) -> dict | None:
+    """The attention library built from another copy of cpu_attention.cpp (benchmarks/attention_ab.py
+    compares a git revision's): its "bf16", "int8" (decode) and "prompt" functions; None unbuilt."""
+    lib = _build(source, FLAGS)
+    if lib is None:
+        return None
+    return {"bf16": _bind(lib, "iterserve_decode_attention", _DECODE_ARGS, _i32),
+            "int8": _bind(lib, "iterserve_decode_attention_int8", _DECODE_ARGS, _i32),
+            "prompt": _bind(lib, "iterserve_prompt_attention", _PROMPT_ARGS, _i32)}
 
 
 @functools.cache
@@ -133,8 +145,7 @@ def decode_attention_int8_kernel(extra_flags: tuple[str, ...] = ()):
 def prompt_attention_kernel():
     """The causal prompt-attention function (bf16, AVX-512 BF16 builds), or None."""
     lib = _build(SOURCE, FLAGS)
-    fn = _bind(lib, "iterserve_prompt_attention",
-               [_i32, _p, _i64, _p, _i64, _p, _i64, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32], _i32)
+    fn = _bind(lib, "iterserve_prompt_attention", _PROMPT_ARGS, _i32)
     supported = _bind(lib, "iterserve_prompt_attention_supported", [_i32, _i32], _i32)
     return (fn, supported) if fn is not None and supported is not None else None
 
