@@ -1,6 +1,10 @@
 """iterserve against its CPU peers, side by side in one run on this machine: llama.cpp's `llama-server`
-(a BF16 GGUF and the Q4_1 GGUF of the same model) and OpenVINO GenAI (fp16, int8 and int4 weights, u8
-KV cache), one at a time, never two at once.
+(a BF16 GGUF, a Q8_0 GGUF and the Q4_1 GGUF of the same model) and OpenVINO GenAI (fp16, int8 and int4
+weights, u8 KV cache), one at a time, never two at once. iterserve runs in its default dtype and, where
+the CPU has AVX-512 VNNI, again with --quantization w8a8 (--quantized): int8 weights under int8
+activations quantized per token, the like-for-like of llama.cpp's Q8_0 (whose CPU dot products quantize
+the activations to 8 bits too) and of OpenVINO's int8 weights (whose CPU plugin quantizes the
+activations dynamically).
 
     python benchmarks/peers.py                                    # the full comparison (builds peers first)
     python benchmarks/peers.py --num-requests 4 --output-len 16   # a smoke run
@@ -61,7 +65,8 @@ MiB = 1 << 20
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 OV_PACKAGES = ["openvino-genai==2026.4.1.0", "openvino-tokenizers", "optimum-intel", "nncf", "gguf", "accelerate"]
 OV_WEIGHTS = ("fp16", "int8", "int4")
-TARGETS = ("iterserve-http", "llama-q4_1", "llama-bf16", "iterserve-offline", "openvino")
+TARGETS = ("iterserve-http", "llama-q4_1", "llama-q8_0", "llama-bf16", "iterserve-offline", "openvino")
+LLAMA_COPIES = {"llama-bf16": "BF16", "llama-q8_0": "Q8_0"}  # made from the shipped Q4_1 by llama-quantize
 BLOCK_SIZE = 16  # iterserve's default --block-size
 OV_CPU_BLOCK_SIZE = 32  # OpenVINO GenAI's DeviceConfig: 32 positions a KV block on CPU (16 on GPU), not settable
 NICE = ["nice", "-n", "19"]
@@ -234,13 +239,13 @@ def build_llama_cpp(peers: Path) -> tuple[Path, Path]:
     return server, quantize
 
 
-def bf16_gguf(model: Path, quantize: Path, peers: Path) -> Path:
-    """The model's BF16 copy: llama-quantize dequantizes every tensor and writes BF16, metadata kept."""
-    out = peers / "models" / f"{model.stem.split('.')[0]}.BF16.gguf"
+def requantized_gguf(model: Path, quantize: Path, peers: Path, kind: str) -> Path:
+    """The model's BF16 or Q8_0 copy: llama-quantize dequantizes every tensor and writes `kind`, metadata kept."""
+    out = peers / "models" / f"{model.stem.split('.')[0]}.{kind}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")
-        run_logged([str(quantize), "--allow-requantize", str(model), str(tmp), "BF16"], peers / "quantize.log")
+        run_logged([str(quantize), "--allow-requantize", str(model), str(tmp), kind], peers / "quantize.log")
         tmp.rename(out)
     return out
 
@@ -348,7 +353,7 @@ def iterserve_offline_child(args: argparse.Namespace) -> None:
     trace = Trace.load(args.trace)
     t = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=args.slots, num_kv_blocks=args.kv_blocks,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.child_quantization)
     load_s = time.perf_counter() - t
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([trace.requests[0].prompt_token_ids[:16]], warm, use_tqdm=False)
@@ -427,6 +432,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bf16-gguf", default=None, help="the model's BF16 GGUF (default: made by llama-quantize)")
     p.add_argument("--openvino-python", default=None, help="python of a venv with openvino_genai and optimum-intel")
     p.add_argument("--serve-args", default="", help="more `iterserve serve` flags, one shell-quoted string")
+    p.add_argument("--quantized", default="w8a8", help="run iterserve (HTTP and offline) again with --quantization "
+                   "this (default w8a8 where the CPU has AVX-512 VNNI); '' for none")
     p.add_argument("--llama-args", default="", help="more llama-server flags, one shell-quoted string")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a server may take to start")
     p.add_argument("--setup-only", action="store_true", help="build / install / export the peers and stop")
@@ -438,6 +445,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trace", help=argparse.SUPPRESS)
     p.add_argument("--slots", type=int, help=argparse.SUPPRESS)
     p.add_argument("--kv-blocks", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child-quantization", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -445,17 +453,33 @@ def setup_peers(args: argparse.Namespace, model: Path, skip: set[str]) -> dict:
     peers = Path(args.peers_dir)
     peers.mkdir(parents=True, exist_ok=True)
     got: dict = {}
-    if not {"llama-q4_1", "llama-bf16"} <= skip:
+    if not {"llama-q4_1", *LLAMA_COPIES} <= skip:
         server, quantize = build_llama_cpp(peers) if not args.llama_server else (
             Path(args.llama_server), Path(args.llama_quantize or Path(args.llama_server).with_name("llama-quantize")))
         got["llama_server"] = server
-        if "llama-bf16" not in skip:
-            got["bf16"] = Path(args.bf16_gguf) if args.bf16_gguf else bf16_gguf(model, quantize, peers)
+        for target, kind in LLAMA_COPIES.items():
+            if target not in skip:
+                given = args.bf16_gguf if kind == "BF16" else None
+                got[target] = Path(given) if given else requantized_gguf(model, quantize, peers, kind)
     if "openvino" not in skip:
         py = Path(args.openvino_python) if args.openvino_python else openvino_python(peers)
         got["ov_python"] = py
         got["ov_models"] = openvino_models(model, py, peers, args.openvino_weights.split(","))
     return got
+
+
+def quantized_mode(name: str) -> str | None:
+    """--quantized, or None where it is '' or this CPU's build cannot run it (said once, not an error)."""
+    if not name:
+        return None
+    from iterserve.model.quant import check_supported
+    import torch
+    try:
+        check_supported(name, torch.device("cpu"))
+    except ValueError as e:
+        print(f"no iterserve {name} rows: {e}", flush=True)
+        return None
+    return name
 
 
 def iterserve_kv_bytes_per_token(model: str) -> int:
@@ -496,9 +520,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                           *shlex.split(args.llama_args)]
     serve = [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(model), *budget.iterserve_args(BLOCK_SIZE),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), *shlex.split(args.serve_args)]
-    servers = [("iterserve-http", "iterserve serve", serve),
-               ("llama-q4_1", f"llama-server {model.name}", llama(model)),
-               ("llama-bf16", f"llama-server {Path(peers.get('bf16', 'BF16')).name}", llama(peers.get("bf16")))]
+    quantized = quantized_mode(args.quantized)
+    servers = [("iterserve-http", "iterserve serve", serve)]
+    if quantized:
+        servers.append(("iterserve-http", f"iterserve serve {quantized}", serve + ["--quantization", quantized]))
+    servers.append(("llama-q4_1", f"llama-server {model.name}", llama(model)))
+    servers += [(t, f"llama-server {peers[t].name}", llama(peers[t])) for t in LLAMA_COPIES if t in peers]
     for key, name, cmd in servers:
         if key in skip:
             continue
@@ -515,11 +542,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         path = os.path.join(tmp, "trace.jsonl")
         trace.save(path)
         child = ["--trace", path, "--slots", str(budget.slots)]
-        if "iterserve-offline" not in skip:
+        for mode in ([None, quantized] if quantized else [None]) if "iterserve-offline" not in skip else []:
             cmd = [sys.executable, os.path.abspath(__file__), "--iterserve-child", "--model", str(model), *child,
                    "--kv-blocks", str(budget.tokens // BLOCK_SIZE), "--max-num-batched-tokens",
-                   str(args.max_num_batched_tokens)]
-            offline.append(offline_row(run_child("iterserve LLM", cmd, 3600), trace))
+                   str(args.max_num_batched_tokens), *(["--child-quantization", mode] if mode else [])]
+            name = f"iterserve LLM {mode}" if mode else "iterserve LLM"
+            offline.append(offline_row(run_child(name, cmd, 3600), trace))
         for fmt, ir in peers.get("ov_models", {}).items():
             cmd = [str(peers["ov_python"]), os.path.abspath(__file__), "--openvino-child", "--model", str(ir), *child,
                    "--kv-blocks", str(budget.tokens // OV_CPU_BLOCK_SIZE), "--max-num-batched-tokens",
@@ -562,7 +590,30 @@ def format_report(report: dict) -> str:
         best = max(ov, key=lambda r: r["output_tokens_per_s"])
         out.append(f"iterserve LLM / best OpenVINO GenAI ({best['name'].split()[-1]}, u8 KV): "
                    f"{ours['output_tokens_per_s'] / best['output_tokens_per_s']:.2f}x")
+    out += like_for_like(http, offline)
     return "\n".join(out)
+
+
+def like_for_like(http: list[dict], offline: list[dict]) -> list[str]:
+    """The w8a8 rows' ratios to the peers' 8-bit ones: llama-server Q8_0 (HTTP), OpenVINO int8 (offline), and the
+    best OpenVINO row whatever its format."""
+    def find(rows: list[dict], prefix: str, suffix: str = "") -> dict | None:
+        return next((r for r in rows if r["name"].startswith(prefix) and r["name"].endswith(suffix)), None)
+
+    out = []
+    ours, q8 = find(http, "iterserve serve", "w8a8"), find(http, "llama-server", "Q8_0.gguf")
+    if ours and q8:
+        out.append(f"8-bit weights and activations: iterserve serve w8a8 / llama-server Q8_0: "
+                   f"{ours['output_tokens_per_s'] / q8['output_tokens_per_s']:.2f}x")
+    ours, ov = find(offline, "iterserve LLM", "w8a8"), [r for r in offline if r["name"].startswith("OpenVINO")]
+    if ours and ov:
+        int8 = find(ov, "OpenVINO", "int8")
+        best = max(ov, key=lambda r: r["output_tokens_per_s"])
+        for r in dict.fromkeys(x["name"] for x in (int8, best) if x):
+            row = find(ov, r)
+            out.append(f"iterserve LLM w8a8 / OpenVINO GenAI {r.split()[-1]}: "
+                       f"{ours['output_tokens_per_s'] / row['output_tokens_per_s']:.2f}x")
+    return out
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

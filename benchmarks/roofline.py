@@ -1,10 +1,11 @@
 """iterserve's decode step and prefill against this machine's roofline.
 
     python benchmarks/roofline.py [--batches 1,8,32,64] [--context 256] [--prompts 128,512]
-                                  [--dtype auto] [--quantization int8|int4] [--threads 1] [--repeats 5]
+                                  [--dtype auto] [--quantization int8|int4|w8a8] [--threads 1] [--repeats 5]
 
 Measures the machine first: copy bandwidth (a 256 MB copy, bytes read + written) and matmul peak
-(a 2048^3 matmul in the compute dtype). Then, per decode batch size B (every sequence `context`
+(a 2048^3 matmul in the compute dtype; under w8a8 the linears' FLOPs run at an int8 one, torch._int_mm's).
+Then, per decode batch size B (every sequence `context`
 tokens deep), the roofline of one step is max(bytes / bandwidth, FLOPs / peak) with
 bytes = linear weights + LM head + the K/V each sequence reads, FLOPs = 2 x weights x B + attention;
 per prompt length N (one fresh prompt, one step), FLOPs = 2 x layer weights x N + 2 x LM head (only
@@ -40,7 +41,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--prompts", default="128,512")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
@@ -59,8 +60,10 @@ def main() -> None:
     kv_per_token = runner.kv_cache_spec.bytes_per_block // runner.block_size  # all layers, K and V
     attn_flops_per_pair = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T and PV, per (query, key)
     bw, peak = bandwidth(), matmul_peak(dtype)
-    print(f"machine: copy bandwidth {bw / 1e9:.1f} GB/s, {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s, "
-          f"threads {torch.get_num_threads()}")
+    linear_peak = matmul_peak(torch.int8) if args.quantization == "w8a8" else peak
+    print(f"machine: copy bandwidth {bw / 1e9:.1f} GB/s, {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s"
+          + (f", int8 {linear_peak / 1e9:.0f} GOP/s" if linear_peak != peak else "")
+          + f", threads {torch.get_num_threads()}")
     print(f"model: linear weights {wbytes / 1e6:.0f} MB ({args.quantization or dtype}), "
           f"K/V {kv_per_token / 1e3:.1f} kB per token")
     print(f"\ndecode, context {args.context} (ms per step)")
@@ -69,7 +72,7 @@ def main() -> None:
         for b in batches:
             ours, bare = ours_and_bare(runner, weights, b, args.context, bps, args.repeats)
             mem = (wbytes + b * (args.context + 1) * kv_per_token) / bw
-            flop = (2 * b * params + b * (args.context + 1) * attn_flops_per_pair) / peak
+            flop = 2 * b * params / linear_peak + b * (args.context + 1) * attn_flops_per_pair / peak
             roof = max(mem, flop)
             print(f"{b:>4} {ours * 1e3:>10.1f} {bare * 1e3:>12.1f} {ours / bare:>7.2f} {roof * 1e3:>7.1f} "
                   f"{'mem' if mem >= flop else 'flop':>6} {roof / ours:>8.0%}", flush=True)
@@ -77,8 +80,9 @@ def main() -> None:
         print(f"{'tokens':>6} {'ms':>8} {'tokens/s':>9} {'roof tok/s':>11} {'reached':>8}")
         for n in prompts:
             ours = timed(lambda: runner.execute(prefill_plan(n, runner.block_size)), args.repeats)
-            flop = 2 * n * (params - head_params) + 2 * head_params + n * (n + 1) / 2 * attn_flops_per_pair
-            roof = max(wbytes / bw, flop / peak)
+            flop = (2 * n * (params - head_params) + 2 * head_params) / linear_peak + \
+                n * (n + 1) / 2 * attn_flops_per_pair / peak
+            roof = max(wbytes / bw, flop)
             print(f"{n:>6} {ours * 1e3:>8.1f} {n / ours:>9.0f} {n / roof:>11.0f} {roof / ours:>8.0%}", flush=True)
 
 

@@ -1,7 +1,7 @@
 """Decode step time: iterserve's ModelRunner vs transformers' own model, against the roofline.
 
     python benchmarks/step_time.py [--batches 1,8,32,64] [--context 256] [--dtype bfloat16] [--repeats 5]
-                                   [--quantization int8|int4] [--threads 1] [--no-hf]
+                                   [--quantization int8|int4|w8a8] [--threads 1] [--no-hf]
 
 For each batch size B, every sequence has `context` tokens already in the KV cache and decodes one
 token. Prints per-step medians (ms) for: iterserve, transformers (DynamicCache prefilled to the same
@@ -43,6 +43,10 @@ def bandwidth() -> float:
 
 
 def matmul_peak(dtype: torch.dtype) -> float:
+    """Multiply-adds x 2 a second of a 2048^3 matmul; int8: torch._int_mm (oneDNN's VNNI kernel, int32 sums)."""
+    if dtype == torch.int8:
+        a, b = (torch.randint(-127, 128, (2048, 2048), dtype=torch.int8) for _ in range(2))
+        return 2 * 2048**3 / timed(lambda: torch._int_mm(a, b), 3)
     a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
     return 2 * 2048**3 / timed(lambda: a @ b, 3)
 
@@ -108,7 +112,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"])
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (saves its load time)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]

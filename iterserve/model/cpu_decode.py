@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from iterserve.model import cpu_kernels
-from iterserve.model.cpu_kernels import DTYPES, FLAGS, PAIRS, _build, _f32, _i32, _i64, _p
+from iterserve.model.cpu_kernels import DTYPES, FLAGS, MIXED, _build, _f32, _i32, _i64, _p
 from iterserve.model.quant import PanelWeight
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
@@ -67,8 +67,7 @@ class DecodeLayers:
             model.rope_tables[l.rope][0].data_ptr(), model.rope_tables[l.rope][1].data_ptr(), l.window)
             for l in layers])
         self.intermediate = layers[0].gate_up.shape[0] // 2
-        panels = layers[0].qkv.panels
-        self.linear_dtype = PAIRS if panels.dim() == 4 else DTYPES[panels.dtype]
+        self.linear_dtype = cpu_kernels.linear_code(model.dtype, layers[0].qkv.panels)
         ops = cpu_kernels.elementwise_ops()
         self.fns = {"rms_norm": _address(ops.rms_norm), "linear": _address(cpu_kernels.linear_kernel()),
                     "rope": _address(ops.rope), "silu_mul": _address(ops.silu_mul), "write_kv": _address(ops.write_kv),
@@ -89,8 +88,9 @@ class DecodeLayers:
         weights = [w for l in layers for w in (l.qkv, l.o, l.gate_up, l.down)]
         if not all(isinstance(w, PanelWeight) for w in weights):
             return None
-        if {(w.panels.dim(), w.panels.dtype) for w in weights} != {(layers[0].qkv.panels.dim(), model.dtype)}:
-            return None  # one layout, in the arithmetic's dtype (not bf16-storage's mixed panels)
+        codes = {cpu_kernels.linear_code(model.dtype, w.panels) for w in weights}
+        if len(codes) != 1 or codes == {MIXED}:
+            return None  # one layout, in the arithmetic's dtype or int8 (not bf16-storage's mixed panels)
         kernel = _kernel()
         if kernel is None or cpu_kernels.decode_attention_kernel() is None or \
                 cpu_kernels.decode_attention_int8_kernel() is None:

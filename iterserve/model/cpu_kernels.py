@@ -39,6 +39,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIXED = 2  # the kernels' code for float32 activations over bfloat16 weights or K/V (--dtype bf16-storage)
 PAIRS = 3  # cpu_linear.cpp's code for bfloat16 throughout over panels in the pairs layout (AVX-512 BF16)
+INT8 = 4  # cpu_linear.cpp's code for int8 panels (w8a8) under float32 activations; + 1 under bfloat16
+INT8_GROUP = 64  # cpu_linear.cpp's kGroup: inputs an activation scale covers, and a column sum
 
 
 @functools.cache
@@ -303,13 +305,24 @@ def linear_kernel(extra_flags: tuple[str, ...] = ()):
     return fn if fn is not None and supported is not None and supported() else None
 
 
+def _linear_builds(name: str, extra_flags: tuple[str, ...]) -> bool:
+    """cpu_linear.cpp's iterserve_linear_<name>_supported() in this build: False where it is not built."""
+    if linear_kernel(extra_flags) is None:
+        return False
+    fn = _bind(_build(LINEAR_SOURCE, [*FLAGS, *extra_flags]), f"iterserve_linear_{name}_supported", [], _i32)
+    return bool(fn is not None and fn())
+
+
 @functools.cache
 def linear_pairs_supported(extra_flags: tuple[str, ...] = ()) -> bool:
     """Whether cpu_linear.cpp's build takes bfloat16 panels in the pairs layout (AVX-512 BF16 dot products)."""
-    if linear_kernel(extra_flags) is None:
-        return False
-    fn = _bind(_build(LINEAR_SOURCE, [*FLAGS, *extra_flags]), "iterserve_linear_pairs_supported", [], _i32)
-    return bool(fn is not None and fn())
+    return _linear_builds("pairs", extra_flags)
+
+
+@functools.cache
+def linear_int8_supported(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether cpu_linear.cpp's build takes int8 panels (w8a8: AVX-512 VNNI dot products)."""
+    return _linear_builds("int8", extra_flags)
 
 
 class _HugePageArena:
@@ -359,8 +372,37 @@ def pack_panels(w: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     return panels.copy_(w.view(padded // PANEL, PANEL, k).transpose(1, 2))
 
 
+def int8_depth(k: int) -> int:
+    """K rounded up to INT8_GROUP: the depth of an int8 panel's codes."""
+    return -(-k // INT8_GROUP) * INT8_GROUP
+
+
+def pack_int8_panels(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float -> int8 panels (--quantization w8a8): [ceil(N / PANEL), bytes] int8, each panel its codes
+    quads[Kp / 4][PANEL][4] (Kp = int8_depth(K); symmetric, one scale an output row, as quant.quantize_int8;
+    zeros pad K and N), then its PANEL float32 scales, then each group of INT8_GROUP inputs' PANEL column
+    sums of the codes (float32): what cpu_linear.cpp's int8 tiles read."""
+    n, k = w.shape
+    kp, panels_n, groups = int8_depth(k), -(-n // PANEL), int8_depth(k) // INT8_GROUP
+    wf = w.float()
+    scales = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    q = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    q = torch.nn.functional.pad(q, (0, kp - k, 0, panels_n * PANEL - n))
+    scales = torch.nn.functional.pad(scales, (0, panels_n * PANEL - n), value=1.0)
+    shape = (panels_n, kp * PANEL + 4 * PANEL * (1 + groups))
+    panels = _arena.empty(shape, torch.int8) if _arena is not None else torch.empty(shape, dtype=torch.int8)
+    panels[:, :kp * PANEL].view(panels_n, kp // 4, PANEL, 4).copy_(q.view(panels_n, PANEL, kp // 4, 4).transpose(1, 2))
+    tail = panels[:, kp * PANEL:].view(torch.float32)  # [panels, PANEL (1 + groups)] words
+    tail[:, :PANEL].copy_(scales.view(panels_n, PANEL))
+    sums = q.view(panels_n, PANEL, groups, INT8_GROUP).sum(dim=-1, dtype=torch.int32)
+    tail[:, PANEL:].view(panels_n, groups, PANEL).copy_(sums.transpose(1, 2))
+    return panels
+
+
 def panel_in_features(panels: torch.Tensor) -> int:
-    """K of the weight pack_panels packed into `panels`, in either layout."""
+    """K of the weight pack_panels packed into `panels`, in either layout; for int8 panels, int8_depth(K)."""
+    if panels.dtype == torch.int8:  # bytes = Kp PANEL + 4 PANEL (1 + Kp / INT8_GROUP)
+        return (panels.shape[1] - 4 * PANEL) * INT8_GROUP // (PANEL * (INT8_GROUP + 4))
     return panels.shape[1] * (2 if panels.dim() == 4 else 1)
 
 
@@ -370,20 +412,30 @@ def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return rows.reshape(len(ids), panel_in_features(panels))
 
 
+def linear_code(x_dtype: torch.dtype, panels: torch.Tensor) -> int:
+    """cpu_linear.cpp's dtype code for activations of x_dtype over these panels."""
+    if panels.dtype == torch.int8:
+        return INT8 + DTYPES[x_dtype]
+    if panels.dim() == 4:
+        return PAIRS
+    return MIXED if x_dtype != panels.dtype else DTYPES[x_dtype]
+
+
 def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None, kernel=None) -> torch.Tensor:
     """x [M, K] (rows any stride) @ W^T (+ bias) -> [M, n] contiguous, W as pack_panels packed it; one dtype
-    throughout, float32 or bfloat16 (either layout), or bfloat16 panels under float32 x, bias and y."""
+    throughout, float32 or bfloat16 (either layout), or bfloat16 panels under float32 x, bias and y, or
+    pack_int8_panels' under either (x quantized per row in the kernel)."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    mixed = x.dtype != panels.dtype
-    pairs = panels.dim() == 4
-    assert panel_in_features(panels) == k and panels.is_contiguous()
-    assert not mixed or (x.dtype == torch.float32 and panels.dtype == torch.bfloat16 and not pairs)
+    int8 = panels.dtype == torch.int8
+    mixed = not int8 and x.dtype != panels.dtype
+    assert panel_in_features(panels) == (int8_depth(k) if int8 else k) and panels.is_contiguous()
+    assert not mixed or (x.dtype == torch.float32 and panels.dtype == torch.bfloat16 and panels.dim() == 3)
     assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
-    code = PAIRS if pairs else MIXED if mixed else DTYPES[x.dtype]
+    code = linear_code(x.dtype, panels)
     y = x.new_empty(m, n)
     if (kernel or linear_kernel())(code, x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(bias), y.data_ptr(),
                                    m, n, k, torch.get_num_threads()):
-        raise ValueError("this build of cpu_linear.cpp has no AVX-512 BF16 for the pairs layout")
+        raise ValueError("this build of cpu_linear.cpp has no AVX-512 BF16 for the pairs layout, or no VNNI for int8")
     return y

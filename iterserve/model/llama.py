@@ -130,10 +130,13 @@ class LlamaModel:
         tied = head_name == "model.embed_tokens.weight" and cfg.logits_multiplier == 1.0
         # Granite divides the logits: the same as dividing the head
         head = lambda: self._scaled(w[head_name], cfg.logits_multiplier)  # noqa: E731
-        # int8 in both modes, as the GGUF keeps it Q8_0
-        self.lm_head = quantize(head(), "int8") if quantization is not None else pack("lm_head", head)
-        # lookups read a tied head's panels: the vocabulary's rows held once, not twice
-        self.embed = None if tied and isinstance(self.lm_head, PanelWeight) else w["model.embed_tokens.weight"]
+        # int8 in every mode, as the GGUF keeps it Q8_0 (w8a8's own kernel: PyTorch's weight-only int8
+        # is slower than bf16 at a large batch, and a 49k-row head is a fifth of the weights)
+        head_mode = "w8a8" if quantization == "w8a8" else "int8"
+        self.lm_head = quantize(head(), head_mode) if quantization is not None else pack("lm_head", head)
+        # lookups read a tied head's float panels: the vocabulary's rows held once, not twice
+        float_head = isinstance(self.lm_head, PanelWeight) and self.lm_head.panels.is_floating_point()
+        self.embed = None if tied and float_head else w["model.embed_tokens.weight"]
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.attention = attention_backend(self.device, block_size, self.dtype)  # torch or triton
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -1,4 +1,4 @@
-"""Weight-only quantization for CPU decode: `--quantization int8|int4`.
+"""Quantization of the linear layers on CPU: weight-only `--quantization int8|int4`, and `w8a8`.
 
 At batch 1 a decode step reads every weight once and does almost no arithmetic per byte, so it
 runs at memory speed: halving the bytes (int8) or quartering them (int4) is what makes llama.cpp
@@ -20,6 +20,15 @@ The LM head (the tied embedding, Q8_0 in the GGUF) is int8 in both modes, as lla
 an int4 head failed the top-5 closeness check against float32 on 9 of 10 prompts (measured), while
 int4 layers + int8 head gave float32's 16 greedy tokens exactly on 8 of 10 (int8 layers: 4 of 10,
 all within the check: per-row int8 re-rounds the Q4_1 grid, int4 group-32 reproduces it).
+
+w8a8 quantizes the activations too, which is what pays at a large batch, where a step is bound by
+arithmetic, not bytes: int8 weights (symmetric, one scale an output row, as int8 above) in the C++
+kernel's panels (cpu_linear.cpp), and x quantized as it enters the kernel, each row's groups of 64
+values asymmetrically over their own range (u8 codes, a scale and a zero point). AVX-512 VNNI's
+vpdpbusd then does 64 multiply-adds an instruction, twice bf16's dot product, over half its weight
+bytes. It is llama.cpp's Q8_0 and OpenVINO's int8 on CPU in kind (both quantize the activations to
+8 bits in blocks); the closeness test holds it to float32 as it does int8 and int4, and the LM head
+is w8a8 too (PyTorch's weight-only int8 is slower than bf16 at a large batch).
 
 Float weights on CPU are packed too, without quantizing: one copy, in one layout. Where the C++
 linear kernel builds (cpu_linear.cpp: AVX-512 or AVX2), float32 weights go into its panels: at a small
@@ -176,10 +185,15 @@ def quantize(w: torch.Tensor, mode: str) -> Weight:
         return quantize_int8(w)
     if mode == "int4":
         return quantize_int4(w)
-    raise ValueError(f"quantization must be None, 'int8' or 'int4', got {mode!r}")
+    if mode == "w8a8":
+        return PanelWeight(cpu_kernels.pack_int8_panels(w), w.shape)
+    raise ValueError(f"quantization must be None, 'int8', 'int4' or 'w8a8', got {mode!r}")
 
 
 def check_supported(mode: str | None, device: torch.device) -> None:
     if mode is not None and device.type != "cpu":
-        raise ValueError(f"--quantization {mode} uses PyTorch's CPU weight-only kernels; run on cpu "
+        raise ValueError(f"--quantization {mode} uses iterserve's and PyTorch's CPU kernels; run on cpu "
                          "or drop the flag")
+    if mode == "w8a8" and not cpu_kernels.linear_int8_supported():
+        raise ValueError("--quantization w8a8 needs the CPU linear kernel built with AVX-512 VNNI (int8 dot "
+                         "products), which this machine or build lacks; use int8 (weight-only) instead")

@@ -18,9 +18,9 @@ PROMPTS = [5, 9, 14]  # three sequences, each in its own blocks
 TABLES = [list(range(16 * i, 16 * i + 16)) for i in range(len(PROMPTS))]
 
 
-def model_of(path, dtype: torch.dtype) -> LlamaModel:
+def model_of(path, dtype: torch.dtype, quantization: str | None = None) -> LlamaModel:
     arch = load_model_arch(str(path))
-    return LlamaModel(arch, load_weights(str(path), arch, dtype), BS, dtype=dtype)
+    return LlamaModel(arch, load_weights(str(path), arch, dtype), BS, dtype=dtype, quantization=quantization)
 
 
 def empty_cache(model: LlamaModel, kv: str) -> torch.Tensor:
@@ -30,12 +30,18 @@ def empty_cache(model: LlamaModel, kv: str) -> torch.Tensor:
                        dtype=torch.int8 if kv == "int8" else model.dtype)
 
 
+W8A8 = pytest.param("bfloat16", "auto", "w8a8", marks=pytest.mark.skipif(
+    not cpu_kernels.linear_int8_supported(), reason="no AVX-512 VNNI build of cpu_linear.cpp here"))
+
+
 @needs_kernels
 @pytest.mark.parametrize("family", ["llama", "llama3.2", "mistral", "qwen2", "granite", "phi3"])
-@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
-def test_decode_steps_in_c_give_the_python_loops_logits_and_cache(tmp_path, family, dtype, kv, monkeypatch):
+@pytest.mark.parametrize("dtype,kv,quantization", [("float32", "auto", None), ("bfloat16", "auto", None),
+                                                   ("bfloat16", "int8", None), W8A8])
+def test_decode_steps_in_c_give_the_python_loops_logits_and_cache(tmp_path, family, dtype, kv, quantization,
+                                                                  monkeypatch):
     build_checkpoint(tmp_path, family)
-    model = model_of(tmp_path, getattr(torch, dtype))
+    model = model_of(tmp_path, getattr(torch, dtype), quantization)
     if model.decode_layers is None:
         assert dtype == "bfloat16" and cpu_kernels.cpu_has_bf16() and not cpu_kernels.linear_pairs_supported()
         pytest.skip("bfloat16 weights stay oneDNN's on this CPU")

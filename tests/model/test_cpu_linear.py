@@ -227,3 +227,93 @@ def test_bfloat16_weights_take_the_panels_this_cpu_runs_fastest(monkeypatch, fla
     got = linear(x, packed, bias)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), bias.float()), atol=1e-5, rtol=2 ** -7)
+
+
+# ------------------------------------------------------------ int8 panels (--quantization w8a8)
+
+needs_int8 = pytest.mark.skipif(not cpu_kernels.linear_int8_supported(), reason="no AVX-512 VNNI build here")
+GROUP = cpu_kernels.INT8_GROUP
+
+
+def w8a8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the int8 panels compute, in float64 from the same codes: W per output row symmetric; x in
+    groups of GROUP inputs, asymmetric u8 over each group's range with 0 in it; float32 out."""
+    m, k = x.shape
+    kp = -(-k // GROUP) * GROUP
+    wf = w.float()
+    w_scale = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
+    qw = F.pad(torch.round(wf / w_scale[:, None]).clamp(-127, 127), (0, kp - k)).double()
+    xg = F.pad(x.float(), (0, kp - k)).view(m, kp // GROUP, GROUP)
+    lo, hi = xg.amin(dim=-1).clamp(max=0), xg.amax(dim=-1).clamp(min=0)
+    scale = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
+    zero = torch.round(-lo * (1 / scale)).clamp(0, 255)
+    qx = (torch.round(xg * (1 / scale)[..., None]) + zero[..., None]).clamp(0, 255).double()
+    y = torch.zeros(m, w.shape[0], dtype=torch.float64)
+    for g in range(kp // GROUP):
+        qw_g = qw[:, g * GROUP:(g + 1) * GROUP]
+        y += (qx[:, g] @ qw_g.T - zero[:, g, None].double() * qw_g.sum(dim=1)) * scale[:, g, None].double()
+    y = y * w_scale.double()
+    return (y + bias.double() if bias is not None else y).float()
+
+
+def test_int8_panels_layout():
+    w = torch.randn(40, 100)
+    panels = cpu_kernels.pack_int8_panels(w)
+    kp = 2 * GROUP  # 100 inputs rounded up to two groups
+    assert panels.dtype == torch.int8 and panels.shape == (2, kp * 32 + 4 * 32 * (1 + 2))
+    assert cpu_kernels.panel_in_features(panels) == kp
+    codes = panels[:, :kp * 32].view(2, kp // 4, 32, 4).transpose(1, 2).reshape(64, kp)
+    tail = panels[:, kp * 32:].view(torch.float32)
+    scales = tail[:, :32].reshape(64)
+    torch.testing.assert_close(codes[:40, :100].float() * scales[:40, None], w, atol=scales.max().item() / 2, rtol=0)
+    assert (codes[40:] == 0).all() and (codes[:, 100:] == 0).all()  # padding: no output, no input
+    assert codes.abs().max() == 127
+    groups = kp // GROUP
+    sums = tail[:, 32:].view(2, groups, 32).transpose(1, 2).reshape(64, groups)
+    assert torch.equal(sums, codes.view(64, groups, GROUP).sum(dim=-1).float())
+
+
+@needs_int8
+@pytest.mark.parametrize("m,n,k", SHAPES + [(7, 65, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_panels_compute_the_quantized_product(m, n, k, dtype):
+    """The kernel's sums are exact integers; what is left is float32 rounding of the group sums and, in
+    bf16, the one rounding of y. Against float: within what 8-bit codes allow."""
+    torch.manual_seed(3 * m + n + k)
+    w, bias = torch.randn(n, k), torch.randn(n).to(dtype)
+    x = torch.randn(m, 3, k)[:, 1].to(dtype)
+    x[:, :1] *= 30  # an outlier channel: its group's scale is coarse, the others' are not
+    panels = cpu_kernels.pack_int8_panels(w)
+    for b in (None, bias):
+        got = cpu_kernels.linear(x, panels, n, b)
+        assert got.shape == (m, n) and got.dtype == dtype and got.is_contiguous()
+        want = w8a8_reference(x, w, b)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-4 * k ** 0.5, rtol=1e-5)
+        else:
+            torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=2 ** -7)
+        exact = F.linear(x.float(), w, None if b is None else b.float())
+        err = (got.float() - exact).abs()
+        bound = 0.05 * exact.abs().amax(dim=1, keepdim=True).clamp(min=1) if m else err
+        assert (err <= bound).all()
+
+
+@needs_int8
+def test_int8_panels_serve_the_model_linear():
+    """quant.quantize(w, "w8a8") is a PanelWeight over int8 panels; quant.linear takes any leading shape."""
+    from iterserve.model.quant import quantize
+    w = torch.randn(96, 128)
+    q = quantize(w, "w8a8")
+    assert isinstance(q, PanelWeight) and q.panels.dtype == torch.int8 and q.shape == w.shape
+    x = torch.randn(2, 5, 128).bfloat16()
+    got = linear(x, q)
+    assert got.shape == (2, 5, 96)
+    torch.testing.assert_close(got.float(), w8a8_reference(x.view(10, 128), w, None).view(2, 5, 96),
+                               atol=1e-3, rtol=2 ** -7)
+
+
+def test_w8a8_is_refused_where_the_kernel_cannot_run(monkeypatch):
+    from iterserve.model import quant
+    monkeypatch.setattr(cpu_kernels, "linear_int8_supported", lambda *a: False)
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        quant.check_supported("w8a8", torch.device("cpu"))

@@ -134,7 +134,11 @@ def float32_outputs(default_model_path, prompt_ids):
     return greedy(ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64)), prompt_ids)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+W8A8 = pytest.param("w8a8", marks=pytest.mark.skipif(not cpu_kernels.linear_int8_supported(),
+                                                       reason="no AVX-512 VNNI build of cpu_linear.cpp here"))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", W8A8])
 def test_quantized_engine_is_close_to_float32(mode, prompt_ids, float32_outputs):
     runner = ModelRunner(EngineConfig(quantization=mode, num_kv_blocks=64))
     ours = greedy(runner, prompt_ids)
