@@ -115,11 +115,12 @@ class LlamaModel:
         if quantization is not None:
             check_supported(quantization, self.device)
 
-        def pack(name: str, read) -> Weight:
-            """The weight `name` as the model runs it, from read() (its float tensor) or from the cache."""
-            if quantization is not None:
-                return quantize(read(), quantization)
-            build = lambda: pack_float(read(), panels=mixed)  # noqa: E731
+        def pack(name: str, read, mode: str | None = quantization) -> Weight:
+            """The weight `name` as the model runs it (quantized in `mode`), from read() (its float tensor) or
+            from the cache, which holds float panels and w8a8's int8 ones."""
+            if mode not in (None, "w8a8"):
+                return quantize(read(), mode)
+            build = (lambda: quantize(read(), mode)) if mode else (lambda: pack_float(read(), panels=mixed))  # noqa: E731
             return build() if panel_cache is None else panel_cache.weight(name, build)
 
         # each weight packed as soon as it is read: its float copy goes before the next one comes
@@ -132,8 +133,7 @@ class LlamaModel:
         head = lambda: self._scaled(w[head_name], cfg.logits_multiplier)  # noqa: E731
         # int8 in every mode, as the GGUF keeps it Q8_0 (w8a8's own kernel: PyTorch's weight-only int8
         # is slower than bf16 at a large batch, and a 49k-row head is a fifth of the weights)
-        head_mode = "w8a8" if quantization == "w8a8" else "int8"
-        self.lm_head = quantize(head(), head_mode) if quantization is not None else pack("lm_head", head)
+        self.lm_head = pack("lm_head", head, quantization and ("w8a8" if quantization == "w8a8" else "int8"))
         # lookups read a tied head's float panels: the vocabulary's rows held once, not twice
         float_head = isinstance(self.lm_head, PanelWeight) and self.lm_head.panels.is_floating_point()
         self.embed = None if tied and float_head else w["model.embed_tokens.weight"]

@@ -9,6 +9,7 @@ pure functions of the file, so their results are kept beside the kernels' build 
         model.safetensors   the dequantized float32 weights (HF names; q/k/v and gate/up fused as the
                             model runs them), the ModelArch in its header
         panels-<dtype>.safetensors   the linear weights packed for the CPU kernel (PanelCache), per dtype
+                            and layout; panels-<dtype>-w8a8 their int8 panels (--quantization w8a8)
         tokenizer/          the tokenizer as transformers' save_pretrained writes it, and beside it what
                             the serving tokenizer reads (model/tokenizer.py: no transformers import)
 
@@ -291,7 +292,8 @@ class PanelCache:
             return
         from safetensors.torch import save_file
         tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
-        meta = {"key": self.key, "out_features": json.dumps({n: w.shape[0] for n, w in self.built.items()})}
+        meta = {"key": self.key, "out_features": json.dumps({n: w.shape[0] for n, w in self.built.items()}),
+                "in_features": json.dumps({n: w.shape[1] for n, w in self.built.items()})}
         try:
             save_file({n: w.panels for n, w in self.built.items()}, str(tmp), metadata=meta)
             fd = os.open(tmp, os.O_RDONLY)
@@ -308,18 +310,22 @@ class PanelCache:
         logger.info("weight cache: packed weights written to %s", self.file)
 
 
-def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool = False) -> PanelCache | None:
+def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool = False,
+                quantization: str | None = None) -> PanelCache | None:
     """The model file's panel cache for weights of `dtype` (mixed: under float32 arithmetic, which takes
-    the plain layout whatever the CPU), or None where the file is not cached or pack_float would not give
-    this CPU's kernel panels."""
+    the plain layout whatever the CPU), or for w8a8's int8 panels (quantization "w8a8", from weights of
+    `dtype`); None where the file is not cached or this CPU's kernel takes no panels of that kind."""
     layout = None
-    if device.type == "cpu":
+    if device.type == "cpu" and quantization == "w8a8":
+        layout = "w8a8" if cpu_kernels.linear_int8_supported() else None
+    elif device.type == "cpu" and quantization is None:
         layout = "plain" if mixed and cpu_kernels.linear_kernel() is not None else panel_layout(dtype)
     entry = entry_dir(path) if layout is not None else None
     if entry is None:
         return None
-    name = str(dtype).removeprefix("torch.") + ("-pairs" if layout == "pairs" else "")
-    return PanelCache(entry / f"panels-{name}.safetensors", f"{entry.name}-{name}-{cpu_kernels.PANEL}")
+    name = str(dtype).removeprefix("torch.") + (f"-{layout}" if layout in ("pairs", "w8a8") else "")
+    group = f"-{cpu_kernels.INT8_GROUP}" if layout == "w8a8" else ""
+    return PanelCache(entry / f"panels-{name}.safetensors", f"{entry.name}-{name}-{cpu_kernels.PANEL}{group}")
 
 
 def _map_panels(file: Path, key: str) -> dict[str, PanelWeight]:
@@ -338,11 +344,13 @@ def _map_panels(file: Path, key: str) -> dict[str, PanelWeight]:
         if meta.get("key") != key:
             raise ValueError(f"written for key {meta.get('key')!r}, not {key!r}")
         out_features = json.loads(meta["out_features"])
+        in_features = json.loads(meta.get("in_features", "{}"))  # older files: float panels, whose K is their own
         panels = {}
         for name, info in header.items():
             dtype, shape = _SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
             begin, end = (8 + length + o for o in info["data_offsets"])
-            if len(shape) not in (3, 4) or end > len(mapping) or end - begin != math.prod(shape) * dtype.itemsize:
+            rank_ok = len(shape) == 2 if dtype == torch.int8 else len(shape) in (3, 4)  # int8: w8a8's panels
+            if not rank_ok or end > len(mapping) or end - begin != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"{name}: shape {shape} and offsets {info['data_offsets']} disagree")
             panels[name] = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=begin).view(shape)
         if set(panels) != set(out_features):
@@ -352,11 +360,11 @@ def _map_panels(file: Path, key: str) -> dict[str, PanelWeight]:
         file.unlink(missing_ok=True)
         return {}
     logger.info("weight cache: packed weights mapped from %s", file)
-    return {name: PanelWeight(p, torch.Size((out_features[name], cpu_kernels.panel_in_features(p))))
+    return {name: PanelWeight(p, torch.Size((out_features[name], in_features.get(name, cpu_kernels.panel_in_features(p)))))
             for name, p in panels.items()}
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8}
 
 
 # ---------------------------------------------------------------- tokenizer

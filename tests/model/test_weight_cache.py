@@ -214,6 +214,26 @@ def test_a_corrupt_or_foreign_panel_file_is_packed_again(gguf, cache, monkeypatc
         caplog.clear()
 
 
+@pytest.mark.skipif(not cpu_kernels.linear_int8_supported(), reason="no AVX-512 VNNI build of cpu_linear.cpp here")
+def test_a_warm_w8a8_start_maps_the_int8_panels_a_cold_start_quantized(gguf, cache, monkeypatch):
+    monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)
+    cold = runner_of(gguf, quantization="w8a8")
+    (file,) = entries(cache)[0].glob("panels-*.safetensors")
+    assert file.name == f"panels-{str(cold.storage_dtype).removeprefix('torch.')}-w8a8.safetensors"
+    read = []
+    real = weight_cache.LazyWeights.__getitem__
+    monkeypatch.setattr(weight_cache.LazyWeights, "__getitem__", lambda self, name: read.append(name) or real(self, name))
+    warm = runner_of(gguf, quantization="w8a8")
+    assert read and not [n for n in read if n.endswith(("_proj.weight", "lm_head.weight"))]
+    assert str(file) in open_files()
+    cold_panels, warm_panels = panels_of(cold), panels_of(warm)
+    assert len(cold_panels) == len(warm_panels) == 2 * 4 + 1
+    assert all(p.dtype == torch.int8 and torch.equal(a, p) for a, p in zip(cold_panels, warm_panels))
+    assert [w.shape for w in (warm.model.layers[0].down, warm.model.lm_head)] == \
+        [w.shape for w in (cold.model.layers[0].down, cold.model.lm_head)]  # in_features as given, not padded
+    assert torch.equal(prompt_logits(cold), prompt_logits(warm))
+
+
 @needs_panels
 def test_quantized_and_uncached_models_write_no_panels(gguf, cache, monkeypatch):
     monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)
