@@ -321,12 +321,16 @@ class ModelRunner:
         np.cumsum(q_lens, out=starts[1:])
         row = np.repeat(np.arange(len(reqs)), q_lens)
         slots = tables[row, pos // bs] * bs + pos % bs
+        att_seqs, att_q_lens, att_seq_lens = _attention_sequences(reqs, q_lens, seq_lens)
+        att_starts = starts if att_seqs is None else np.concatenate([[0], np.cumsum(att_q_lens)])
         dev = self.device
         md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev), query_start_loc=torch.from_numpy(starts).to(dev, torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev, torch.int32), max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens), query_lens_list=q_lens, seq_lens_list=seq_lens)
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(att_starts).to(dev, torch.int32),
+            seq_lens=torch.tensor(att_seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables if att_seqs is None else tables[att_seqs]).to(dev, torch.int32),
+            max_query_len=max(att_q_lens), max_seq_len=max(att_seq_lens), query_lens_list=att_q_lens,
+            seq_lens_list=att_seq_lens)
         # logits for every request's last token: padding seats pay for theirs too, as a padded batch would;
         # a request asking for prompt logprobs gets a row for each token of its chunk, one with drafts a row
         # for its own last token and each draft
@@ -435,6 +439,25 @@ def _row_index(widths: list[int], rows: list[int]) -> list[int] | None:
         return None
     starts = np.cumsum([0, *widths[:-1]]).tolist()
     return [starts[i] + k for i in rows for k in range(widths[i])]
+
+
+def _attention_sequences(reqs: list[ScheduledRequest], q_lens: list[int], seq_lens: list[int]):
+    """The sequences attention sees: (request of each, q_lens, seq_lens), or (None, q_lens, seq_lens) where
+    they are the requests. A request with drafts attends as 1 + k one-token sequences over its block table,
+    the i-th seeing the context up to its own token: the arithmetic its one-token steps would have done
+    without speculation (the decode kernel's, not the prompt kernel's, whose sums run in another order),
+    so greedy tokens come out the same with speculation on and off, and a verify step is a decode step."""
+    if not any(r.num_draft_tokens for r in reqs):
+        return None, q_lens, seq_lens
+    seqs, att_q, att_seq = [], [], []
+    for i, (r, n, s) in enumerate(zip(reqs, q_lens, seq_lens)):
+        if r.num_draft_tokens:
+            seqs += [i] * n
+            att_q += [1] * n
+            att_seq += range(s - n + 1, s + 1)
+        else:
+            seqs.append(i), att_q.append(n), att_seq.append(s)
+    return seqs, att_q, att_seq
 
 
 def _drafts(r: ScheduledRequest) -> list[int]:

@@ -4,8 +4,8 @@
 // Decode: one query token per sequence attends to its whole context, read through its block table
 // in place: no gather into a padded buffer (which moved every K/V byte three times), one pass over
 // K and one over V, in float32 with the softmax taken over the whole row. The portable loops take
-// (sequence, kv head) pairs as work items; the AVX-512 and AVX2 paths whole sequences (attend_seq), or,
-// when there are fewer sequences than threads, slices of long contexts merged after (decode_simd).
+// (sequence, kv head) pairs as work items; the AVX-512 and AVX2 paths slices of kSlice positions of a
+// sequence (attend_seq), merged after (decode_simd).
 //
 // A windowed layer (sliding-window attention) reads only the blocks that reach into each sequence's
 // window: the table and length handed to the per-sequence code start at the block holding the
@@ -31,7 +31,7 @@ namespace {
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxGroup = 16;
 constexpr int kMaxHeads = 64;  // query heads, for the AVX-512 path's register tiles
-constexpr int kMinSlice = 512;  // positions per slice of a split context: shorter ones save less than their merge
+constexpr int kSlice = 512;  // positions per slice of a context (whole blocks): shorter ones save less than their merge
 constexpr int kMaxSlices = 64;
 
 // How the cache holds one (position, kv head): head_dim values in the model dtype, or, in an int8
@@ -704,9 +704,10 @@ void merge_slices(const float* parts, int num_parts, int H, T* out) {
         }
     }
 }
-// Work items are whole sequences, except when there are too few of them to keep every thread busy
-// (a single long chat): then a context is cut into slices of whole blocks, at most one per thread
-// and one per kMinSlice positions, attended apart and merged.
+// Work items are slices of kSlice positions (whole blocks; fewer, longer ones past kMaxSlices), attended
+// apart and merged: a single long chat keeps every thread busy. Where a context is cut depends on its
+// length alone, never on the batch or the threads, so a row's sums are its own: a speculative verify
+// step, whose rows are one sequence's decode rows, gives the bits its one-token steps would have.
 template <int D, typename T, typename KV>
 void decode_simd(const T* q, int64_t q_stride, const KV* k_cache, const KV* v_cache, const int32_t* block_tables,
                    int64_t table_stride, const int32_t* seq_lens, T* out, int num_seqs, int H, int num_kv_heads, int block_size,
@@ -716,13 +717,12 @@ void decode_simd(const T* q, int64_t q_stride, const KV* k_cache, const KV* v_ca
     std::vector<Item> items;
     std::vector<Split> splits;
     const int G = H / num_kv_heads;
-    const int slice_blocks = (kMinSlice + block_size - 1) / block_size;
+    const int slice_blocks = (kSlice + block_size - 1) / block_size;
     int num_parts = 0;
     for (int b = 0; b < num_seqs; ++b) {
         const int lo = window > 0 ? std::max(0, seq_lens[b] - window) : 0, first = lo / block_size * block_size;
         const int len = seq_lens[b] - first;  // from the block holding the window's first position
-        int slices = num_seqs < num_threads ? (len + slice_blocks * block_size - 1) / (slice_blocks * block_size) : 1;
-        slices = std::min(slices, std::min(num_threads, kMaxSlices));
+        const int slices = std::min((len + slice_blocks * block_size - 1) / (slice_blocks * block_size), kMaxSlices);
         if (slices <= 1) {
             items.push_back({b, first, len, -1, lo - first});
             continue;

@@ -14,6 +14,7 @@ from iterserve.engine.spec_decode import NgramProposer, draftable
 from iterserve.entrypoints.args import add_engine_args, config_from_args
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.executor.sampler import verify_random_drafts
+from iterserve.model import cpu_kernels
 from iterserve.model.loader import load_model_arch, load_weights
 from iterserve.sampling_params import SamplingParams, StructuredOutputs
 from tests.engine.test_greedy_reference import PROMPT_LENS, TEXT
@@ -167,6 +168,26 @@ def test_tiny_model_greedy_tokens_equal_with_speculation(tiny_runner):
     got, engine = run(tiny_runner, tiny_prompts(), greedy, **SPEC)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert engine.stats.num_spec_accepted_tokens > 0, "no draft was accepted: the test would pass vacuously"
+
+
+QUANTIZATIONS = [None, pytest.param("w8a8", marks=pytest.mark.skipif(
+    not cpu_kernels.linear_int8_supported(), reason="no AVX-512 VNNI build of cpu_linear.cpp here"))]
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_default_model_greedy_tokens_equal_with_speculation(default_model_path, tokenizer, quantization):
+    """The shipped model in its default dtype (and w8a8, whose int8 activation codes turn on a last bit):
+    one request past 512 positions (the decode kernel cuts its context into slices), one short, batched.
+    A verify step's rows attend as one-token decode rows would, so the bits, and the tokens, are equal."""
+    passage = "The committee met on Tuesday. It reviewed the budget, the hiring plan and the roadmap. " * 40
+    prompts = [tokenizer.encode("Copy this text exactly: " + passage, add_special_tokens=False)[:560],
+               tokenizer.encode("Once upon a time", add_special_tokens=False)]
+    greedy = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    config = dict(quantization=quantization, num_kv_blocks=256, block_size=4)  # as run() schedules them
+    want, _ = run(ModelRunner(EngineConfig(**config)), prompts, greedy)
+    got, engine = run(ModelRunner(EngineConfig(**config)), prompts, greedy, **SPEC)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.stats.num_spec_accepted_tokens > 0
 
 
 def test_tiny_model_mixed_batch(tiny_runner):
