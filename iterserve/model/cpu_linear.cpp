@@ -127,10 +127,11 @@ inline void tile_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
 // W's symmetric per-output codes (Kp: K rounded up to a group, zero-padded), then kPanel float32 scales,
 // then each group's kPanel column sums of the codes (float32). x is quantized as it enters, each row's
 // groups of kGroup values asymmetrically over their own range (u8 codes, a scale, a zero point, 0
-// exactly representable): one scale a row, as vLLM's w8a8 has it, cost 2.1% in perplexity on the default
-// model, groups of 64 0.6%, int8 weights alone 0.5% (docs/performance.md). vpdpbusd adds four u8 x s8 products to each of 16 outputs'
-// int32 sums: 64 multiply-adds an instruction, twice vdpbf16ps's, over half the weight bytes. Each
-// group's sums go into float32 ones: y = w_scale * sum_g s_g * (sum(q_x q_w) - z_g * colsum_g) + bias.
+// exactly representable): one scale a row, as vLLM's w8a8 has it, cost 2.1% in perplexity on the
+// default model, groups of 64 0.6%, int8 weights alone 0.5% (docs/performance.md). vpdpbusd adds four
+// u8 x s8 products to each of 16 outputs' int32 sums: 64 multiply-adds an instruction, twice
+// vdpbf16ps's, over half the weight bytes. Each group's sums go into float32 ones:
+// y = w_scale * sum_g s_g * (sum(q_x q_w) - z_g * colsum_g) + bias.
 constexpr int kGroup = 64;
 constexpr int kRowsInt8 = 6;  // 12 int32 and 12 float32 accumulators, 2 weight vectors, 2 column sums
 
@@ -175,8 +176,8 @@ void quantize_row(const T* x, int64_t K, uint8_t* q, float* scale, float* scaled
 }
 
 // acc + the dot products of a's u8 and b's s8 quads, as _mm512_dpbusd_epi32, in asm: GCC 12 copies the
-// intrinsic's accumulators from register to register around every one (two moves a vpdpbusd, measured
-// 1.4x slower at 64 rows); tied to an asm operand, each stays in its register.
+// intrinsic's accumulators from register to register around every one (two moves a vpdpbusd); tied to
+// an asm operand each stays in its register (1-7% faster, docs/performance.md).
 inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
     return acc;
