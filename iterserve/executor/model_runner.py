@@ -451,12 +451,10 @@ def _attention_sequences(reqs: list[ScheduledRequest], q_lens: list[int], seq_le
         return None, q_lens, seq_lens
     seqs, att_q, att_seq = [], [], []
     for i, (r, n, s) in enumerate(zip(reqs, q_lens, seq_lens)):
-        if r.num_draft_tokens:
-            seqs += [i] * n
-            att_q += [1] * n
-            att_seq += range(s - n + 1, s + 1)
-        else:
-            seqs.append(i), att_q.append(n), att_seq.append(s)
+        split = r.num_draft_tokens > 0
+        seqs += [i] * (n if split else 1)
+        att_q += [1] * n if split else [n]
+        att_seq += range(s - n + 1, s + 1) if split else [s]
     return seqs, att_q, att_seq
 
 
