@@ -377,16 +377,21 @@ def int8_depth(k: int) -> int:
     return -(-k // INT8_GROUP) * INT8_GROUP
 
 
-def pack_int8_panels(w: torch.Tensor) -> torch.Tensor:
-    """W [N, K] float -> int8 panels (--quantization w8a8): [ceil(N / PANEL), bytes] int8, each panel its codes
-    quads[Kp / 4][PANEL][4] (Kp = int8_depth(K); symmetric, one scale an output row, as quant.quantize_int8;
-    zeros pad K and N), then its PANEL float32 scales, then each group of INT8_GROUP inputs' PANEL column
-    sums of the codes (float32): what cpu_linear.cpp's int8 tiles read."""
-    n, k = w.shape
-    kp, panels_n, groups = int8_depth(k), -(-n // PANEL), int8_depth(k) // INT8_GROUP
+def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] float -> (codes [N, K] int8, scales [N] float32): symmetric, one scale an output row, [-127, 127]."""
     wf = w.float()
     scales = (wf.abs().amax(dim=1) / 127).clamp(min=1e-10)
-    q = torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return torch.round(wf / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def pack_int8_panels(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float -> int8 panels (--quantization w8a8): [ceil(N / PANEL), bytes] int8, each panel its codes
+    quads[Kp / 4][PANEL][4] (Kp = int8_depth(K); int8_codes, zeros padding K and N), then its PANEL float32
+    scales, then each group of INT8_GROUP inputs' PANEL column sums of the codes (float32): what
+    cpu_linear.cpp's int8 tiles read."""
+    n, k = w.shape
+    kp, panels_n, groups = int8_depth(k), -(-n // PANEL), int8_depth(k) // INT8_GROUP
+    q, scales = int8_codes(w)
     q = torch.nn.functional.pad(q, (0, kp - k, 0, panels_n * PANEL - n))
     scales = torch.nn.functional.pad(scales, (0, panels_n * PANEL - n), value=1.0)
     shape = (panels_n, kp * PANEL + 4 * PANEL * (1 + groups))
@@ -428,12 +433,11 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    int8 = panels.dtype == torch.int8
-    mixed = not int8 and x.dtype != panels.dtype
-    assert panel_in_features(panels) == (int8_depth(k) if int8 else k) and panels.is_contiguous()
-    assert not mixed or (x.dtype == torch.float32 and panels.dtype == torch.bfloat16 and panels.dim() == 3)
-    assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
     code = linear_code(x.dtype, panels)
+    assert panel_in_features(panels) == (int8_depth(k) if code >= INT8 else k) and panels.is_contiguous()
+    assert code != MIXED or (x.dtype == torch.float32 and panels.dtype == torch.bfloat16)
+    assert code != PAIRS or x.dtype == torch.bfloat16  # the pairs layout is bfloat16 throughout
+    assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
     y = x.new_empty(m, n)
     if (kernel or linear_kernel())(code, x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(bias), y.data_ptr(),
                                    m, n, k, torch.get_num_threads()):

@@ -133,7 +133,7 @@ class LlamaModel:
         head = lambda: self._scaled(w[head_name], cfg.logits_multiplier)  # noqa: E731
         # int8 in every mode, as the GGUF keeps it Q8_0 (w8a8's own kernel: PyTorch's weight-only int8
         # is slower than bf16 at a large batch, and a 49k-row head is a fifth of the weights)
-        self.lm_head = pack("lm_head", head, quantization and ("w8a8" if quantization == "w8a8" else "int8"))
+        self.lm_head = pack("lm_head", head, "int8" if quantization in ("int8", "int4") else quantization)
         # lookups read a tied head's float panels: the vocabulary's rows held once, not twice
         float_head = isinstance(self.lm_head, PanelWeight) and self.lm_head.panels.is_floating_point()
         self.embed = None if tied and float_head else w["model.embed_tokens.weight"]

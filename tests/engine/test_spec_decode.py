@@ -14,10 +14,10 @@ from iterserve.engine.spec_decode import NgramProposer, draftable
 from iterserve.entrypoints.args import add_engine_args, config_from_args
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.executor.sampler import verify_random_drafts
-from iterserve.model import cpu_kernels
 from iterserve.model.loader import load_model_arch, load_weights
 from iterserve.sampling_params import SamplingParams, StructuredOutputs
 from tests.engine.test_greedy_reference import PROMPT_LENS, TEXT
+from tests.model.test_cpu_linear import needs_int8
 from tests.model.test_llama import tiny_checkpoint
 
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -170,8 +170,7 @@ def test_tiny_model_greedy_tokens_equal_with_speculation(tiny_runner):
     assert engine.stats.num_spec_accepted_tokens > 0, "no draft was accepted: the test would pass vacuously"
 
 
-QUANTIZATIONS = [None, pytest.param("w8a8", marks=pytest.mark.skipif(
-    not cpu_kernels.linear_int8_supported(), reason="no AVX-512 VNNI build of cpu_linear.cpp here"))]
+QUANTIZATIONS = [None, pytest.param("w8a8", marks=needs_int8)]
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)

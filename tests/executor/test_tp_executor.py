@@ -25,9 +25,9 @@ from iterserve.executor.base import ExecutorDeadError
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.executor.tp_executor import TPExecutor
 from iterserve.llm import LLM
-from iterserve.model import cpu_kernels
 from iterserve.sampling_params import SamplingParams
 from tests.engine.test_greedy_reference import PROMPT_LENS, TEXT, assert_close_all, generate
+from tests.model.test_cpu_linear import needs_int8
 from tests.server.conftest import MODEL, start_server, wait_for
 
 CACHE = dict(dtype="float32", num_kv_blocks=128, swap_space="4MiB")
@@ -128,8 +128,7 @@ def test_tp2_penalties_and_prompt_logprobs_next_to_plain_requests(float_pair, pr
     assert [a.logprob for a in ours] == pytest.approx([b.logprob for b in theirs], abs=1e-3)
 
 
-@pytest.mark.parametrize("mode", ["int8", pytest.param("w8a8", marks=pytest.mark.skipif(
-    not cpu_kernels.linear_int8_supported(), reason="no AVX-512 VNNI build of cpu_linear.cpp here"))])
+@pytest.mark.parametrize("mode", ["int8", pytest.param("w8a8", marks=needs_int8)])
 def test_tp2_int8(tiny_model, float_pair, prompts, mode):
     """int8 scales are per output row, so the row-parallel o/down slices get their own (each over
     fewer weights): TP=2 int8 is a slightly different quantization from TP=1 int8 (and w8a8's

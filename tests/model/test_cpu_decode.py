@@ -9,6 +9,7 @@ from iterserve.model import cpu_decode, cpu_kernels
 from iterserve.model.kv_quant import SCALE_BYTES
 from iterserve.model.llama import LlamaModel
 from iterserve.model.loader import load_model_arch, load_weights
+from tests.model.test_cpu_linear import needs_int8
 from tests.model.test_families import build_checkpoint
 from tests.model.test_llama import BS, metadata
 
@@ -30,8 +31,7 @@ def empty_cache(model: LlamaModel, kv: str) -> torch.Tensor:
                        dtype=torch.int8 if kv == "int8" else model.dtype)
 
 
-W8A8 = pytest.param("bfloat16", "auto", "w8a8", marks=pytest.mark.skipif(
-    not cpu_kernels.linear_int8_supported(), reason="no AVX-512 VNNI build of cpu_linear.cpp here"))
+W8A8 = pytest.param("bfloat16", "auto", "w8a8", marks=needs_int8)
 
 
 @needs_kernels

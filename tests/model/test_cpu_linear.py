@@ -231,7 +231,8 @@ def test_bfloat16_weights_take_the_panels_this_cpu_runs_fastest(monkeypatch, fla
 
 # ------------------------------------------------------------ int8 panels (--quantization w8a8)
 
-needs_int8 = pytest.mark.skipif(not cpu_kernels.linear_int8_supported(), reason="no AVX-512 VNNI build here")
+needs_int8 = pytest.mark.skipif(not cpu_kernels.linear_int8_supported(),
+                                reason="no AVX-512 VNNI build of cpu_linear.cpp here")
 GROUP = cpu_kernels.INT8_GROUP
 
 

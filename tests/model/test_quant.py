@@ -8,10 +8,10 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model import cpu_kernels
 from iterserve.model.quant import (INT4_GROUP, PackedFloatWeight, PanelWeight, linear, pack_float, panel_layout, quantize,
                                      quantize_int4)
 from iterserve.sampling_params import SamplingParams
+from tests.model.test_cpu_linear import needs_int8
 
 
 def dequantized(w) -> torch.Tensor:
@@ -134,8 +134,7 @@ def float32_outputs(default_model_path, prompt_ids):
     return greedy(ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=64)), prompt_ids)
 
 
-W8A8 = pytest.param("w8a8", marks=pytest.mark.skipif(not cpu_kernels.linear_int8_supported(),
-                                                       reason="no AVX-512 VNNI build of cpu_linear.cpp here"))
+W8A8 = pytest.param("w8a8", marks=needs_int8)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", W8A8])

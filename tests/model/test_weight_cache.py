@@ -17,6 +17,7 @@ from iterserve.model import cpu_kernels, loader, weight_cache
 from iterserve.model.quant import PanelWeight, panel_layout
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from tests.model.test_cpu_linear import needs_int8
 from tests.model.test_loader import write_tiny_gguf
 
 
@@ -214,7 +215,7 @@ def test_a_corrupt_or_foreign_panel_file_is_packed_again(gguf, cache, monkeypatc
         caplog.clear()
 
 
-@pytest.mark.skipif(not cpu_kernels.linear_int8_supported(), reason="no AVX-512 VNNI build of cpu_linear.cpp here")
+@needs_int8
 def test_a_warm_w8a8_start_maps_the_int8_panels_a_cold_start_quantized(gguf, cache, monkeypatch):
     monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)
     cold = runner_of(gguf, quantization="w8a8")
