@@ -3,9 +3,10 @@
     python benchmarks/roofline.py [--batches 1,8,32,64] [--context 256] [--prompts 128,512]
                                   [--dtype auto] [--quantization int8|int4|w8a8] [--threads 1] [--repeats 5]
 
-Measures the machine first: copy bandwidth (a 256 MB copy, bytes read + written) and matmul peak
-(a 2048^3 matmul in the compute dtype; under w8a8 the linears' FLOPs run at an int8 one, torch._int_mm's).
-Then, per decode batch size B (every sequence `context`
+Measures the machine first: copy bandwidth (a 256 MB copy, bytes read + written) and the compute
+peak: the faster of a 2048^3 torch matmul in the compute dtype (under w8a8: torch._int_mm's int8 one)
+and the model's own linears at 512 rows (their packed weights, the rate a prefill's matmuls reach).
+A roof below what the engine's own kernels do would let a step pass 100%. Then, per decode batch size B (every sequence `context`
 tokens deep), the roofline of one step is max(bytes / bandwidth, FLOPs / peak) with
 bytes = linear weights + LM head + the K/V each sequence reads, FLOPs = 2 x weights x B + attention;
 per prompt length N (one fresh prompt, one step), FLOPs = 2 x layer weights x N + 2 x LM head (only
@@ -26,7 +27,9 @@ from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from step_time import bandwidth, linear_weights, matmul_peak, ours_and_bare, timed  # benchmarks/ is on sys.path
+from step_time import bandwidth, bare_time, linear_weights, matmul_peak, ours_and_bare, timed  # benchmarks/ is on sys.path
+
+PEAK_ROWS = 512
 
 
 def prefill_plan(n: int, block_size: int) -> SchedulerOutput:
@@ -59,11 +62,16 @@ def main() -> None:
     head_params = weights[-1].shape[0] * weights[-1].shape[1]  # linear_weights ends with the LM head
     kv_per_token = runner.kv_cache_spec.bytes_per_block // runner.block_size  # all layers, K and V
     attn_flops_per_pair = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T and PV, per (query, key)
-    bw, peak = bandwidth(), matmul_peak(dtype)
-    linear_peak = matmul_peak(torch.int8) if args.quantization == "w8a8" else peak
-    print(f"machine: copy bandwidth {bw / 1e9:.1f} GB/s, {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s"
-          + (f", int8 {linear_peak / 1e9:.0f} GOP/s" if linear_peak != peak else "")
-          + f", threads {torch.get_num_threads()}")
+    bw, torch_peak = bandwidth(), matmul_peak(dtype)
+    torch_linear_peak = matmul_peak(torch.int8) if args.quantization == "w8a8" else torch_peak
+    with torch.inference_mode():
+        own_peak = 2 * PEAK_ROWS * params / bare_time(weights, PEAK_ROWS, dtype, 3)
+    linear_peak = max(torch_linear_peak, own_peak)
+    peak = linear_peak if args.quantization != "w8a8" else torch_peak  # attention's arithmetic is the dtype's
+    print(f"machine: copy bandwidth {bw / 1e9:.1f} GB/s; linears' peak {linear_peak / 1e9:.0f} G{'OP' if args.quantization == 'w8a8' else 'FLOP'}/s "
+          f"(torch matmul {torch_linear_peak / 1e9:.0f}, the model's own linears at {PEAK_ROWS} rows {own_peak / 1e9:.0f})"
+          + (f", {dtype} matmul {peak / 1e9:.0f} GFLOP/s" if args.quantization == "w8a8" else "")
+          + f"; threads {torch.get_num_threads()}")
     print(f"model: linear weights {wbytes / 1e6:.0f} MB ({args.quantization or dtype}), "
           f"K/V {kv_per_token / 1e3:.1f} kB per token")
     print(f"\ndecode, context {args.context} (ms per step)")
