@@ -353,7 +353,8 @@ def iterserve_offline_child(args: argparse.Namespace) -> None:
     trace = Trace.load(args.trace)
     t = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=args.slots, num_kv_blocks=args.kv_blocks,
-              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.child_quantization)
+              max_num_batched_tokens=args.max_num_batched_tokens, quantization=args.child_quantization,
+              kv_cache_dtype=args.child_kv_cache_dtype)
     load_s = time.perf_counter() - t
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm.generate([trace.requests[0].prompt_token_ids[:16]], warm, use_tqdm=False)
@@ -434,6 +435,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--serve-args", default="", help="more `iterserve serve` flags, one shell-quoted string")
     p.add_argument("--quantized", default="w8a8", help="run iterserve (HTTP and offline) again with --quantization "
                    "this (default w8a8 where the CPU has AVX-512 VNNI); '' for none")
+    p.add_argument("--quantized-kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="the --quantized rows' KV cache (int8: as OpenVINO's u8 default; llama.cpp's is f16)")
     p.add_argument("--llama-args", default="", help="more llama-server flags, one shell-quoted string")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a server may take to start")
     p.add_argument("--setup-only", action="store_true", help="build / install / export the peers and stop")
@@ -446,6 +449,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slots", type=int, help=argparse.SUPPRESS)
     p.add_argument("--kv-blocks", type=int, help=argparse.SUPPRESS)
     p.add_argument("--child-quantization", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-kv-cache-dtype", default="auto", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -469,8 +473,8 @@ def setup_peers(args: argparse.Namespace, model: Path, skip: set[str]) -> dict:
 
 
 def quantized_mode(name: str) -> str | None:
-    """--quantized, or None where it is '' or this CPU's build cannot run it (said once, not an error)."""
-    if not name:
+    """--quantized, or None where it is '' or 'none' or this CPU's build cannot run it (said once, not an error)."""
+    if name in ("", "none"):
         return None
     from iterserve.model.quant import check_supported
     import torch
@@ -521,9 +525,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     serve = [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(model), *budget.iterserve_args(BLOCK_SIZE),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), *shlex.split(args.serve_args)]
     quantized = quantized_mode(args.quantized)
+    kv_int8 = args.quantized_kv_cache_dtype == "int8"
     servers = [("iterserve-http", "iterserve serve", serve)]
     if quantized:
-        servers.append(("iterserve-http", f"iterserve serve {quantized}", serve + ["--quantization", quantized]))
+        servers.append(("iterserve-http", f"iterserve serve {quantized}" + (" int8 KV" if kv_int8 else ""),
+                        serve + ["--quantization", quantized, "--kv-cache-dtype", args.quantized_kv_cache_dtype]))
     servers.append(("llama-q4_1", f"llama-server {model.name}", llama(model)))
     servers += [(t, f"llama-server {peers[t].name}", llama(peers[t])) for t in LLAMA_COPIES if t in peers]
     for key, name, cmd in servers:
@@ -545,8 +551,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         for mode in ([None, quantized] if quantized else [None]) if "iterserve-offline" not in skip else []:
             cmd = [sys.executable, os.path.abspath(__file__), "--iterserve-child", "--model", str(model), *child,
                    "--kv-blocks", str(budget.tokens // BLOCK_SIZE), "--max-num-batched-tokens",
-                   str(args.max_num_batched_tokens), *(["--child-quantization", mode] if mode else [])]
-            name = f"iterserve LLM {mode}" if mode else "iterserve LLM"
+                   str(args.max_num_batched_tokens),
+                   *(["--child-quantization", mode, "--child-kv-cache-dtype", args.quantized_kv_cache_dtype]
+                     if mode else [])]
+            name = (f"iterserve LLM {mode}" + (" int8 KV" if kv_int8 else "")) if mode else "iterserve LLM"
             offline.append(offline_row(run_child(name, cmd, 3600), trace))
         for fmt, ir in peers.get("ov_models", {}).items():
             cmd = [str(peers["ov_python"]), os.path.abspath(__file__), "--openvino-child", "--model", str(ir), *child,
@@ -597,21 +605,22 @@ def format_report(report: dict) -> str:
 def like_for_like(http: list[dict], offline: list[dict]) -> list[str]:
     """The w8a8 rows' ratios to the peers' 8-bit ones: llama-server Q8_0 (HTTP), OpenVINO int8 (offline), and the
     best OpenVINO row whatever its format."""
-    def find(rows: list[dict], prefix: str, suffix: str = "") -> dict | None:
-        return next((r for r in rows if r["name"].startswith(prefix) and r["name"].endswith(suffix)), None)
+    def find(rows: list[dict], prefix: str, suffix: str = "", has: str = "") -> dict | None:
+        return next((r for r in rows if r["name"].startswith(prefix) and r["name"].endswith(suffix)
+                     and has in r["name"]), None)
 
     out = []
-    ours, q8 = find(http, "iterserve serve", "w8a8"), find(http, "llama-server", "Q8_0.gguf")
+    ours, q8 = find(http, "iterserve serve", has="w8a8"), find(http, "llama-server", "Q8_0.gguf")
     if ours and q8:
-        out.append(f"8-bit weights and activations: iterserve serve w8a8 / llama-server Q8_0: "
+        out.append(f"8-bit weights and activations: {ours['name']} / llama-server Q8_0: "
                    f"{ours['output_tokens_per_s'] / q8['output_tokens_per_s']:.2f}x")
-    ours, ov = find(offline, "iterserve LLM", "w8a8"), [r for r in offline if r["name"].startswith("OpenVINO")]
+    ours, ov = find(offline, "iterserve LLM", has="w8a8"), [r for r in offline if r["name"].startswith("OpenVINO")]
     if ours and ov:
         int8 = find(ov, "OpenVINO", "int8")
         best = max(ov, key=lambda r: r["output_tokens_per_s"])
         for r in dict.fromkeys(x["name"] for x in (int8, best) if x):
             row = find(ov, r)
-            out.append(f"iterserve LLM w8a8 / OpenVINO GenAI {r.split()[-1]}: "
+            out.append(f"{ours['name']} / OpenVINO GenAI {r.split()[-1]}: "
                        f"{ours['output_tokens_per_s'] / row['output_tokens_per_s']:.2f}x")
     return out
 

@@ -61,22 +61,23 @@ def test_report_ratios_are_iterserve_over_each_peer():
     assert "int4: greedy tokens of the first request equal to iterserve's: the first 4 of 4" in text
 
 
-def test_report_sets_w8a8_beside_the_peers_8_bit_rows():
+@pytest.mark.parametrize("kv", ["", " int8 KV"])  # --quantized-kv-cache-dtype names the rows it changes
+def test_report_sets_w8a8_beside_the_peers_8_bit_rows(kv):
     row = {"ttft_mean_s": 1.0, "tpot_mean_s": 0.1, "stream_ttft_s": 0.1, "stream_tpot_s": 0.02, "ready_s": 5.0,
            "rss": 1 << 30}
     off = {"load_s": 3.0, "rss": 1 << 30, "first_output": [1, 2]}
     report = {"kv_budget": {"mapping": "KV budget"},
               "http": [{"name": "iterserve serve", "output_tokens_per_s": 300.0, **row},
-                       {"name": "iterserve serve w8a8", "output_tokens_per_s": 420.0, **row},
+                       {"name": "iterserve serve w8a8" + kv, "output_tokens_per_s": 420.0, **row},
                        {"name": "llama-server m.Q8_0.gguf", "output_tokens_per_s": 140.0, **row}],
               "offline": [{"name": "iterserve LLM", "output_tokens_per_s": 320.0, **off},
-                          {"name": "iterserve LLM w8a8", "output_tokens_per_s": 440.0, **off},
+                          {"name": "iterserve LLM w8a8" + kv, "output_tokens_per_s": 440.0, **off},
                           {"name": "OpenVINO GenAI int8", "output_tokens_per_s": 220.0, **off},
                           {"name": "OpenVINO GenAI int4", "output_tokens_per_s": 200.0, **off}]}
     text = peers.format_report(report)
     q8 = next(line for line in text.splitlines() if "Q8_0.gguf" in line)
     assert "2.14" in q8  # the table's ratio: iterserve's default row over each peer
-    assert "iterserve serve w8a8 / llama-server Q8_0: 3.00x" in text
-    assert "iterserve LLM w8a8 / OpenVINO GenAI int8: 2.00x" in text
+    assert f"iterserve serve w8a8{kv} / llama-server Q8_0: 3.00x" in text
+    assert f"iterserve LLM w8a8{kv} / OpenVINO GenAI int8: 2.00x" in text
     assert "best OpenVINO GenAI (int8, u8 KV): 1.45x" in text  # the default row against the best
-    assert sum(line.startswith("iterserve LLM w8a8 /") for line in text.splitlines()) == 1  # int8: the like and the best
+    assert sum(line.startswith(f"iterserve LLM w8a8{kv} /") for line in text.splitlines()) == 1  # int8: the like and the best
