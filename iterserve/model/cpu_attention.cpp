@@ -547,12 +547,24 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // Causal attention of one prompt (or chunk) in bf16: T queries at positions S-T .. S-1 over keys
-// 0 .. S-1, flash-style (online softmax over 16-key blocks, nothing T x S materialized). torch's
-// CPU flash kernel computes every key block even where the causal mask zeroes it; this one stops at
-// each query tile's last key. Q.K runs on bf16 pair dot products over K blocks laid out
+// 0 .. S-1, flash-style (online softmax over steps of up to 64 keys, nothing T x S materialized).
+// torch's CPU flash kernel computes every key block even where the causal mask zeroes it; this one
+// stops at each query tile's last key. Q.K runs on bf16 pair dot products over 16-key blocks laid out
 // pair-interleaved (kt), softmax in float32, P.V on bf16 pair dot products too: probabilities
-// rounded to bf16 (as GPU flash attention does), float32 sums.
+// rounded to bf16 (as GPU flash attention does), float32 sums. A step of 4 blocks rather than 1 shares
+// each broadcast query pair among 4 blocks' dot products and the softmax's reductions, exp and
+// rescaling among 64 keys: 1.38x (512 tokens) and 1.44x (2,048) one block a step's time (Zen 4,
+// attention_ab.py, docs/performance.md 2026-12-02).
 constexpr int kTile = 16;  // queries per work item, keys per block
+constexpr int kStep = 4;   // blocks per online-softmax step
+
+// The keys of a 16-key block a query sees: the first `valid` (at or before its position), less the
+// first `behind` (before its window).
+inline __mmask16 live_keys(int valid, int behind) {
+    if (valid <= 0 || behind >= kTile) return 0;
+    __mmask16 live = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1u);
+    return behind > 0 ? __mmask16(live & ~((1u << behind) - 1u)) : live;
+}
 
 template <int D>
 struct PromptScratch {
@@ -572,10 +584,14 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
     for (int i = 0; i < nq; ++i) m[i] = -INFINITY;
     const int first_pos = S - T + tile * kTile;  // absolute position of the tile's first query
     const int num_blocks = (first_pos + rows - 1) / kTile + 1;
-    // a windowed layer starts at the block holding the first query's first visible key
-    const int first_block = window > 0 ? std::max(0, first_pos - window + 1) / kTile : 0;
-    alignas(64) uint32_t pairs[4][8];  // this block's probabilities in bf16, two keys per word
-    for (int b = first_block; b < num_blocks; ++b) {
+    // A windowed layer starts at the step holding the first query's first visible key. Steps start at
+    // block numbers that are multiples of kStep for every tile, so a query's sums never depend on its tile.
+    const int first_block = (window > 0 ? std::max(0, first_pos - window + 1) / kTile : 0) / kStep * kStep;
+    alignas(64) uint32_t pairs[4][8 * kStep];  // this step's probabilities in bf16, two keys per word
+    // Up to kStep blocks of 16 keys a step (NB: fewer at the tile's last step, whose further blocks
+    // would be past every query of the tile).
+    auto step = [&](int b, auto nb) {
+        constexpr int NB = decltype(nb)::value;
         const uint32_t* kb = kt + size_t(b) * P * 16;
         const uint32_t* vb = vp + size_t(b) * 8 * D;
         for (int i0 = 0; i0 < nq; i0 += 4) {  // 4 query vectors share each K load
@@ -585,32 +601,43 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
                 const int i = i0 + (t < n ? t : 0), r = i / G, g = i % G;
                 qp[t] = reinterpret_cast<const uint32_t*>(q + (tile * kTile + r) * q_stride + (h * G + g) * D);
             }
-            // Two sums per query vector (even and odd pairs), added after: four chains of P dependent
-            // dot products left the unit waiting on their latency.
-            __m512 s4[4], odd[4];
-            for (int t = 0; t < 4; ++t) s4[t] = odd[t] = _mm512_setzero_ps();
-            for (int d = 0; d < P; d += 2) {
-                const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + d * 16), k1 = (__m512bh)_mm512_loadu_si512(kb + d * 16 + 16);
+            // Each broadcast query pair meets every block's keys: 4 x NB independent chains of dot
+            // products, one broadcast per NB of them.
+            __m512 sc[4][NB];
+            for (int t = 0; t < 4; ++t)
+                for (int e = 0; e < NB; ++e) sc[t][e] = _mm512_setzero_ps();
+            for (int d = 0; d < P; ++d) {
+                __m512bh kk[NB];
+                for (int e = 0; e < NB; ++e) kk[e] = (__m512bh)_mm512_loadu_si512(kb + (e * P + d) * 16);
                 for (int t = 0; t < 4; ++t) {
-                    s4[t] = _mm512_dpbf16_ps(s4[t], (__m512bh)_mm512_set1_epi32(int(qp[t][d])), k0);
-                    odd[t] = _mm512_dpbf16_ps(odd[t], (__m512bh)_mm512_set1_epi32(int(qp[t][d + 1])), k1);
+                    const __m512bh qq = (__m512bh)_mm512_set1_epi32(int(qp[t][d]));
+                    for (int e = 0; e < NB; ++e) sc[t][e] = _mm512_dpbf16_ps(sc[t][e], qq, kk[e]);
                 }
             }
-            for (int t = 0; t < 4; ++t) s4[t] = _mm512_add_ps(s4[t], odd[t]);
             for (int t = 0; t < n; ++t) {
                 const int i = i0 + t, pos = first_pos + i / G;
-                const int valid = pos - b * kTile + 1;  // keys of this block at or before pos
+                const int valid = pos - b * kTile + 1;  // keys of block b at or before pos (of b + e: 16 e fewer)
                 const int behind = window > 0 ? pos - window + 1 - b * kTile : 0;  // keys before the window
-                if (valid <= 0 || behind >= kTile) { for (int j = 0; j < 8; ++j) pairs[t][j] = 0; continue; }
-                __mmask16 live = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1u);
-                if (behind > 0) live &= __mmask16(~((1u << behind) - 1u));
-                const __m512 x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(s4[t], _mm512_set1_ps(scale)));
-                const float m_new = std::max(m[i], _mm512_reduce_max_ps(x));
-                const float corr = std::exp(m[i] - m_new);  // 0 on the first block (m = -inf)
-                const __m512 pr = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
-                l[i] = l[i] * corr + _mm512_reduce_add_ps(pr);
+                __mmask16 live[NB];
+                bool any = false;
+                for (int e = 0; e < NB; ++e) any |= (live[e] = live_keys(valid - e * kTile, behind - e * kTile)) != 0;
+                if (!any) {
+                    for (int j = 0; j < 8 * NB; ++j) pairs[t][j] = 0;
+                    continue;
+                }
+                const __m512 scl = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+                __m512 x[NB], top = ninf, sum = _mm512_setzero_ps();
+                for (int e = 0; e < NB; ++e) top = _mm512_max_ps(top, x[e] = _mm512_mask_mul_ps(ninf, live[e], sc[t][e], scl));
+                const float m_new = std::max(m[i], _mm512_reduce_max_ps(top));
+                const float corr = std::exp(m[i] - m_new);  // 0 on the first step (m = -inf)
+                const __m512 mx = _mm512_set1_ps(m_new);
+                for (int e = 0; e < NB; ++e) {
+                    const __m512 pr = _mm512_maskz_mov_ps(live[e], exp16(_mm512_sub_ps(x[e], mx)));
+                    sum = _mm512_add_ps(sum, pr);
+                    _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[t] + 8 * e), (__m256i)_mm512_cvtneps_pbh(pr));
+                }
+                l[i] = l[i] * corr + _mm512_reduce_add_ps(sum);
                 m[i] = m_new;
-                _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[t]), (__m256i)_mm512_cvtneps_pbh(pr));
                 if (corr != 1.f)
                     for (int c = 0; c < C; ++c)
                         _mm512_storeu_ps(acc + size_t(i) * D + 16 * c,
@@ -619,7 +646,7 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
             __m512 a[4][C];
             for (int t = 0; t < n; ++t)
                 for (int c = 0; c < C; ++c) a[t][c] = _mm512_loadu_ps(acc + size_t(i0 + t) * D + 16 * c);
-            for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < 8 * NB; ++j) {  // key pairs, block by block
                 __m512bh vv[C];
                 for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vb + j * D + 16 * c);
                 for (int t = 0; t < 4; ++t) {
@@ -630,6 +657,15 @@ void prompt_tile(const uint16_t* q, int64_t q_stride, uint16_t* out, int T, int 
             }
             for (int t = 0; t < n; ++t)
                 for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + size_t(i0 + t) * D + 16 * c, a[t][c]);
+        }
+    };
+    static_assert(kStep == 4);
+    for (int b = first_block; b < num_blocks; b += kStep) {
+        switch (std::min(num_blocks - b, kStep)) {
+            case 1: step(b, std::integral_constant<int, 1>{}); break;
+            case 2: step(b, std::integral_constant<int, 2>{}); break;
+            case 3: step(b, std::integral_constant<int, 3>{}); break;
+            default: step(b, std::integral_constant<int, 4>{});
         }
     }
     for (int i = 0; i < nq; ++i) {
