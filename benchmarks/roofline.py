@@ -5,9 +5,9 @@
 
 Measures the machine first: copy bandwidth (a 256 MB copy, bytes read + written) and the compute
 peak: the faster of a 2048^3 torch matmul in the compute dtype (under w8a8: torch._int_mm's int8 one)
-and the model's own linears at 512 rows (their packed weights, the rate a prefill's matmuls reach).
-A roof below what the engine's own kernels do would let a step pass 100%. Then, per decode batch size B (every sequence `context`
-tokens deep), the roofline of one step is max(bytes / bandwidth, FLOPs / peak) with
+and the model's own linears at 512 rows (their packed weights, the rate a prefill's matmuls reach):
+a roof below what the engine's own kernels do would let a step pass 100%. Then, per decode batch size
+B (every sequence `context` tokens deep), the roofline of one step is max(bytes / bandwidth, FLOPs / peak) with
 bytes = linear weights + LM head + the K/V each sequence reads, FLOPs = 2 x weights x B + attention;
 per prompt length N (one fresh prompt, one step), FLOPs = 2 x layer weights x N + 2 x LM head (only
 the last row is sampled) + causal attention, and the weights are read once. "reached" is roofline
@@ -27,7 +27,8 @@ from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from step_time import bandwidth, bare_time, linear_weights, matmul_peak, ours_and_bare, timed  # benchmarks/ is on sys.path
+from step_time import (bandwidth, bare_time, linear_weights, matmul_peak,  # benchmarks/ is on sys.path
+                       ours_and_bare, timed)
 
 PEAK_ROWS = 512
 
@@ -68,8 +69,9 @@ def main() -> None:
         own_peak = 2 * PEAK_ROWS * params / bare_time(weights, PEAK_ROWS, dtype, 3)
     linear_peak = max(torch_linear_peak, own_peak)
     peak = linear_peak if args.quantization != "w8a8" else torch_peak  # attention's arithmetic is the dtype's
-    print(f"machine: copy bandwidth {bw / 1e9:.1f} GB/s; linears' peak {linear_peak / 1e9:.0f} G{'OP' if args.quantization == 'w8a8' else 'FLOP'}/s "
-          f"(torch matmul {torch_linear_peak / 1e9:.0f}, the model's own linears at {PEAK_ROWS} rows {own_peak / 1e9:.0f})"
+    unit = "GOP/s" if args.quantization == "w8a8" else "GFLOP/s"
+    print(f"machine: copy bandwidth {bw / 1e9:.1f} GB/s; linears' peak {linear_peak / 1e9:.0f} {unit} (torch matmul "
+          f"{torch_linear_peak / 1e9:.0f}, the model's own linears at {PEAK_ROWS} rows {own_peak / 1e9:.0f})"
           + (f", {dtype} matmul {peak / 1e9:.0f} GFLOP/s" if args.quantization == "w8a8" else "")
           + f"; threads {torch.get_num_threads()}")
     print(f"model: linear weights {wbytes / 1e6:.0f} MB ({args.quantization or dtype}), "
