@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
@@ -23,7 +22,7 @@ from iterserve.model import cpu_kernels
 from iterserve.model.cpu_kernels import DTYPES, FLAGS, MIXED, _build, _f32, _i32, _i64, _p
 from iterserve.model.quant import PanelWeight
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCE = cpu_kernels.DECODE_SOURCE
 
 
 class _Layer(ctypes.Structure):

@@ -1,6 +1,7 @@
 """The CPU kernels: attention (cpu_attention.cpp: decode over the paged cache, causal prompts), the
 fused elementwise ops (cpu_ops.cpp) and the linear layer over panel-packed weights (cpu_linear.cpp),
-built on first use and loaded with ctypes.
+built on first use and loaded with ctypes. A CPU ModelRunner starts every build at once in the
+background first (prebuild), so a cold start compiles while it loads the weights and the tokenizer.
 
 It is plain C++ with no torch headers, so the system compiler builds it in about a second; the
 library is cached under ~/.cache/iterserve keyed by the source, the flags and this CPU's feature
@@ -21,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +36,11 @@ logger = logging.getLogger("iterserve.model")
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 LINEAR_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+DECODE_SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # cpu_decode.py's
+OPS_FLAG = "-ffp-contract=off"  # cpu_ops.cpp's: no fused multiply-adds (see its top)
 PANEL = 32  # outputs per weight panel: cpu_linear.cpp's kPanel
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+DEFAULT_BUILDS = ((SOURCE, FLAGS), (LINEAR_SOURCE, FLAGS), (OPS_SOURCE, [*FLAGS, OPS_FLAG]), (DECODE_SOURCE, FLAGS))
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIXED = 2  # the kernels' code for float32 activations over bfloat16 weights or K/V (--dtype bf16-storage)
 PAIRS = 3  # cpu_linear.cpp's code for bfloat16 throughout over panels in the pairs layout (AVX-512 BF16)
@@ -70,8 +75,26 @@ def cache_dir() -> Path:
         return Path(tempfile.gettempdir())
 
 
-def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
-    """Compile source into a shared library (cached), load it; None where that cannot be done."""
+_builds: dict[Path, Future] = {}  # each library's compile, once per process (prebuild starts them early)
+_builds_lock = threading.Lock()
+
+
+def _compile(cxx: str, flags: list[str], source: Path, lib_path: Path) -> str | None:
+    """Compile into lib_path; None, or the compiler's error."""
+    tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
+    try:
+        result = subprocess.run([cxx, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
+    except OSError as exc:
+        return str(exc)
+    if result.returncode != 0:
+        return result.stderr[-2000:]
+    os.replace(tmp, lib_path)  # atomic: a concurrent process sees no half-written library
+    return None
+
+
+def _start_build(source: Path, flags: list[str]) -> tuple[Path, Future] | None:
+    """The library's cached path and its compile (started here unless cached or under way); None where
+    kernels are off or there is no compiler."""
     if os.environ.get("ITERSERVE_CPU_KERNELS", "1") == "0":
         return None
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -81,16 +104,34 @@ def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
     code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # + includes
     key = hashlib.sha256(code + " ".join([cxx, *flags]).encode() + cpu_flags()).hexdigest()[:16]
     lib_path = cache_dir() / f"{source.stem}-{key}.so"
-    if not lib_path.exists():
-        tmp = lib_path.with_name(f"{lib_path.name}.{os.getpid()}.tmp")
-        try:
-            result = subprocess.run([cxx, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True)
-        except OSError as exc:
-            result = subprocess.CompletedProcess([cxx], 127, "", str(exc))
-        if result.returncode != 0:
-            logger.warning("building %s failed, falling back to torch:\n%s", source.name, result.stderr[-2000:])
-            return None
-        os.replace(tmp, lib_path)  # atomic: a concurrent process sees no half-written library
+    with _builds_lock:
+        if lib_path not in _builds:
+            if lib_path.exists():
+                _builds[lib_path] = done = Future()
+                done.set_result(None)
+            else:  # a thread of its own: it only waits on the compiler, so builds run side by side
+                _builds[lib_path] = build = Future()
+                threading.Thread(target=lambda: build.set_result(_compile(cxx, flags, source, lib_path)),
+                                 name=f"build-{source.stem}", daemon=True).start()
+        return lib_path, _builds[lib_path]
+
+
+def prebuild() -> None:
+    """Start compiling, side by side in the background, every library the CPU path loads with its default
+    flags, so that a cold start's weight and tokenizer loading overlaps them; _build waits for its own."""
+    for source, flags in DEFAULT_BUILDS:
+        _start_build(source, flags)
+
+
+def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:
+    """Compile source into a shared library (cached), load it; None where that cannot be done."""
+    started = _start_build(source, flags)
+    if started is None:
+        return None
+    lib_path, build = started
+    if (error := build.result()) is not None:
+        logger.warning("building %s failed, falling back to torch:\n%s", source.name, error)
+        return None
     # torch (imported above) has loaded its libgomp.so.1, so the library's OpenMP binds to that
     # same runtime and thread pool rather than a second one.
     try:
@@ -173,7 +214,7 @@ class Ops:
 def elementwise_ops(extra_flags: tuple[str, ...] = ()) -> Ops | None:
     """The fused RMSNorm / rotary / silu-and-mul, argmax and K/V write (cpu_ops.cpp), or None.
     extra_flags (tests): -mno-avx512f builds the portable loops."""
-    lib = _build(OPS_SOURCE, [*FLAGS, "-ffp-contract=off", *extra_flags])
+    lib = _build(OPS_SOURCE, [*FLAGS, OPS_FLAG, *extra_flags])
     fns = (_bind(lib, "iterserve_rms_norm", [_i32, _p, _p, _p, _p, _i64, _i64, _f32]),
            _bind(lib, "iterserve_rope", [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p]),
            _bind(lib, "iterserve_silu_mul", [_i32, _p, _p, _i64, _i64]),

@@ -22,6 +22,36 @@ def test_every_kernel_builds_where_there_is_a_compiler():
     assert cpu_kernels.prompt_attention_kernel() is not None
 
 
+FAKE_COMPILER = """#!/bin/sh
+# Logs its start, then finishes only once every build has started (each waits for the others: a
+# sequential build would fail here), and links an empty library at the -o path.
+echo start >> "{log}"
+i=0
+while [ "$(grep -c start "{log}")" -lt {n} ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i + 1)); done
+[ "$(grep -c start "{log}")" -ge {n} ] || exit 1
+while [ "$1" != "-o" ]; do shift; done
+echo 'int iterserve_fake;' | {cxx} -shared -fPIC -x c++ - -o "$2"
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
+def test_prebuild_compiles_every_library_side_by_side_once(monkeypatch, tmp_path):
+    """A cold start's compiles run at once (prebuild), and a kernel's own build waits for its compile
+    under way instead of starting a second."""
+    log, compiler = tmp_path / "compiles.log", tmp_path / "fake-cxx"
+    n = len(cpu_kernels.DEFAULT_BUILDS)
+    compiler.write_text(FAKE_COMPILER.format(log=log, n=n, cxx=shutil.which("g++")))
+    compiler.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # cold
+    monkeypatch.setenv("CXX", str(compiler))
+    cpu_kernels.prebuild()
+    assert all(cpu_kernels._build(source, flags) is not None for source, flags in cpu_kernels.DEFAULT_BUILDS)
+    assert log.read_text().count("start") == n
+    cpu_kernels.prebuild()  # built and cached: nothing compiles again
+    assert cpu_kernels._build(*cpu_kernels.DEFAULT_BUILDS[0]) is not None
+    assert log.read_text().count("start") == n
+
+
 def torch_rms_norm(x, weight, eps):
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
