@@ -77,6 +77,7 @@ def cache_dir() -> Path:
 
 _builds: dict[Path, Future] = {}  # each library's compile, once per process (prebuild starts them early)
 _builds_lock = threading.Lock()
+_no_compiler_said = threading.Event()
 
 
 def _compile(cxx: str, flags: list[str], source: Path, lib_path: Path) -> str | None:
@@ -99,7 +100,9 @@ def _start_build(source: Path, flags: list[str]) -> tuple[Path, Future] | None:
         return None
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        logger.warning("no C++ compiler: the CPU path falls back to plain torch ops (slower)")
+        if not _no_compiler_said.is_set():  # once a process, not once a library and model
+            _no_compiler_said.set()
+            logger.warning("no C++ compiler: the CPU path falls back to plain torch ops (slower)")
         return None
     code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # + includes
     key = hashlib.sha256(code + " ".join([cxx, *flags]).encode() + cpu_flags()).hexdigest()[:16]

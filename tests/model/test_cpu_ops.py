@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -50,6 +51,17 @@ def test_prebuild_compiles_every_library_side_by_side_once(monkeypatch, tmp_path
     cpu_kernels.prebuild()  # built and cached: nothing compiles again
     assert cpu_kernels._build(*cpu_kernels.DEFAULT_BUILDS[0]) is not None
     assert log.read_text().count("start") == n
+
+
+def test_no_compiler_is_said_once(monkeypatch, tmp_path, caplog):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or c++ on it
+    monkeypatch.setattr(cpu_kernels, "_no_compiler_said", threading.Event())
+    with caplog.at_level("WARNING", logger="iterserve.model"):
+        for _ in range(3):
+            cpu_kernels.prebuild()
+        assert all(cpu_kernels._build(source, flags) is None for source, flags in cpu_kernels.DEFAULT_BUILDS)
+    assert sum("no C++ compiler" in r.getMessage() for r in caplog.records) == 1
 
 
 def torch_rms_norm(x, weight, eps):
