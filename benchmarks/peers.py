@@ -525,10 +525,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     serve = [sys.executable, "-m", "iterserve.cli", "serve", "--model", str(model), *budget.iterserve_args(BLOCK_SIZE),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), *shlex.split(args.serve_args)]
     quantized = quantized_mode(args.quantized)
-    kv_int8 = args.quantized_kv_cache_dtype == "int8"
+    label = f"{quantized}{' int8 KV' if args.quantized_kv_cache_dtype == 'int8' else ''}"  # the quantized rows'
     servers = [("iterserve-http", "iterserve serve", serve)]
     if quantized:
-        servers.append(("iterserve-http", f"iterserve serve {quantized}" + (" int8 KV" if kv_int8 else ""),
+        servers.append(("iterserve-http", f"iterserve serve {label}",
                         serve + ["--quantization", quantized, "--kv-cache-dtype", args.quantized_kv_cache_dtype]))
     servers.append(("llama-q4_1", f"llama-server {model.name}", llama(model)))
     servers += [(t, f"llama-server {peers[t].name}", llama(peers[t])) for t in LLAMA_COPIES if t in peers]
@@ -554,7 +554,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                    str(args.max_num_batched_tokens),
                    *(["--child-quantization", mode, "--child-kv-cache-dtype", args.quantized_kv_cache_dtype]
                      if mode else [])]
-            name = (f"iterserve LLM {mode}" + (" int8 KV" if kv_int8 else "")) if mode else "iterserve LLM"
+            name = f"iterserve LLM {label}" if mode else "iterserve LLM"
             offline.append(offline_row(run_child(name, cmd, 3600), trace))
         for fmt, ir in peers.get("ov_models", {}).items():
             cmd = [str(peers["ov_python"]), os.path.abspath(__file__), "--openvino-child", "--model", str(ir), *child,
@@ -618,9 +618,8 @@ def like_for_like(http: list[dict], offline: list[dict]) -> list[str]:
     if ours and ov:
         int8 = find(ov, "OpenVINO", "int8")
         best = max(ov, key=lambda r: r["output_tokens_per_s"])
-        for r in dict.fromkeys(x["name"] for x in (int8, best) if x):
-            row = find(ov, r)
-            out.append(f"{ours['name']} / OpenVINO GenAI {r.split()[-1]}: "
+        for row in [best] if int8 in (None, best) else [int8, best]:
+            out.append(f"{ours['name']} / OpenVINO GenAI {row['name'].split()[-1]}: "
                        f"{ours['output_tokens_per_s'] / row['output_tokens_per_s']:.2f}x")
     return out
 

@@ -28,8 +28,8 @@ from iterserve.executor.sampler import make_batch, prompt_logprobs, sample, veri
 from iterserve.heap import advise_huge_pages
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
-from iterserve.model import cpu_kernels, weight_cache
-from iterserve.model.cpu_kernels import cpu_has_bf16, linear_kernel
+from iterserve.model import weight_cache
+from iterserve.model.cpu_kernels import cpu_has_bf16, linear_kernel, prebuild
 from iterserve.model.loader import ModelArch, default_model_path
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
@@ -105,7 +105,7 @@ class ModelRunner:
         mc, cc = config.model_config, config.cache_config
         self.device = pick_device(mc.device)
         if self.device.type == "cpu":  # a cold start compiles the kernels while the weights and tokenizer load
-            cpu_kernels.prebuild()
+            prebuild()
         self.dtype = pick_dtype(mc.dtype, self.device)
         load_dtype = storage_dtype(mc.dtype, self.device, mc.quantization)  # checks the combination too
         if self.device.type == "cpu":

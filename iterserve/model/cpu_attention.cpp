@@ -562,7 +562,7 @@ constexpr int kStep = 4;   // blocks per online-softmax step
 // first `behind` (before its window).
 inline __mmask16 live_keys(int valid, int behind) {
     if (valid <= 0 || behind >= kTile) return 0;
-    __mmask16 live = valid >= 16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1u);
+    __mmask16 live = valid >= kTile ? __mmask16(0xffff) : __mmask16((1u << valid) - 1u);
     return behind > 0 ? __mmask16(live & ~((1u << behind) - 1u)) : live;
 }
 
