@@ -1,13 +1,17 @@
 """Decode step time: iterserve's ModelRunner vs transformers' own model, against the roofline.
 
     python benchmarks/step_time.py [--batches 1,8,32,64] [--context 256] [--dtype bfloat16] [--repeats 5]
-                                   [--quantization int8|int4|w8a8] [--threads 1] [--no-hf]
+                                   [--quantization int8|int4|w8a8] [--threads 1] [--no-hf] [--parts]
 
 For each batch size B, every sequence has `context` tokens already in the KV cache and decodes one
 token. Prints per-step medians (ms) for: iterserve, transformers (DynamicCache prefilled to the same
 length), a bare pass through all linear layers + LM head with the model's weights (packed
 or quantized), the same pass through F.linear on plain weights, and the roofline (weight bytes / measured
 copy bandwidth, FLOPs / measured matmul peak). The machine is shared: treat +-20% as noise.
+
+--parts: then, per B, where the step's time goes: the decoder layers' parts summed over layers
+(cpu_decode.cpp's own timers: norms, the four linears, rotary, the K/V write, attention, silu-and-mul),
+the LM head (timed bare at the step's shape) and the rest (embedding, final norm, sampling, Python).
 """
 from __future__ import annotations
 
@@ -82,6 +86,28 @@ def ours_and_bare(runner: ModelRunner, weights: list[Weight], batch: int, contex
     return ours, bare_time(weights, batch, runner.dtype, repeats)
 
 
+def step_parts(runner: ModelRunner, batch: int, context: int, blocks_per_seq: int, repeats: int) -> str:
+    """One line: a decode step's milliseconds per part (see --parts)."""
+    layers = runner.model.decode_layers
+    if layers is None:
+        return f"{batch:>4}: no parts (this model's layers run in the Python loop, which has no timers)"
+    runner.execute(decode_plan(batch, context, blocks_per_seq))
+    layers.time_parts()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        runner.execute(decode_plan(batch, context, blocks_per_seq))
+    step = (time.perf_counter() - start) / repeats
+    parts = {name: seconds / repeats for name, seconds in layers.parts().items()}
+    layers.time_parts(False)
+    if not any(parts.values()):
+        return f"{batch:>4}: no parts (this step did not run in cpu_decode.cpp)"
+    lm_head = runner.model.lm_head
+    x = torch.randn(batch, lm_head.shape[1], dtype=runner.dtype)
+    parts["lm_head"] = timed(lambda: linear(x, lm_head), repeats)
+    parts["rest"] = step - sum(parts.values())
+    return f"{batch:>4}: {step * 1e3:.1f} ms = " + ", ".join(f"{k} {v * 1e3:.3g}" for k, v in parts.items())
+
+
 def hf_model(path: str, dtype: torch.dtype):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from conftest import load_hf_gguf_model  # transformers' own GGUF loader, as the tests use it
@@ -114,6 +140,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"])
     ap.add_argument("--no-hf", action="store_true", help="skip transformers (saves its load time)")
+    ap.add_argument("--parts", action="store_true", help="then, per B, where a step's time goes")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     print("command: python", " ".join(sys.argv))
@@ -142,6 +169,10 @@ def main() -> None:
             flops = 2 * b * sum(w.shape[0] * w.shape[1] for w in weights)
             print(f"{b:>4} {ours * 1e3:>10.1f} {theirs * 1e3:>13.1f} {ours / theirs:>6.2f} {bare * 1e3:>12.1f} "
                   f"{ours / bare:>7.2f} {unpacked * 1e3:>9.1f} {wbytes / bw * 1e3:>9.1f} {flops / peak * 1e3:>10.1f}", flush=True)
+        if args.parts:
+            print(f"where a step goes (ms, the layers' parts summed over {len(runner.model.layers)} layers):")
+            for b in batches:
+                print(step_parts(runner, b, args.context, bps, args.repeats), flush=True)
 
 
 if __name__ == "__main__":

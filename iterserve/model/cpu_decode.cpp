@@ -3,7 +3,22 @@
 // here taken as function pointers, in the same order and with the same arguments. At one sequence a
 // step is ~300 such calls, and each costs a few microseconds of Python and ctypes around it: ~20% of
 // the step. Only the pre-norm SiLU layer is here (no q/k norm, no output norms, no experts).
+#include <chrono>
 #include <cstdint>
+
+namespace {
+
+// The parts of a layer, in cpu_decode.py's PARTS order.
+enum Part { kNorm, kQkv, kRope, kWriteKv, kAttention, kO, kGateUp, kSiluMul, kDown };
+
+template <typename F> inline void timed(double* part_seconds, Part part, F run) {
+    if (!part_seconds) return run();
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    part_seconds[part] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -58,6 +73,7 @@ struct DecodeStep {
     void* attn;
     void* gate_up;
     void* act;
+    double* part_seconds;  // or null: the seconds each Part took, added up (benchmarks/step_time.py --parts)
 };
 
 // Returns 0, or the first nonzero code a kernel returned (the step's outputs are then undefined).
@@ -69,29 +85,48 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
     for (int i = 0; i < num_layers && rc == 0; ++i) {
         const DecodeLayer& l = layers[i];
         char* k_cache = s->kv_cache + i * s->layer_bytes;
-        if (i == 0)
-            s->rms_norm(s->dtype, s->x, nullptr, l.attn_norm, s->h, m, s->hidden, s->eps);
-        else  // x += the last layer's MLP output, then normalized
-            s->rms_norm(s->dtype, s->delta, s->x, l.attn_norm, s->h, m, s->hidden, s->eps);
-        rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.qkv, l.qkv_bias, qkv, m, qkv_size, s->hidden, s->num_threads);
-        s->rope(s->dtype, qkv, m, qkv_size, s->heads + s->kv_heads, s->head_dim, l.cos, l.sin, s->positions);
+        double* t = s->part_seconds;
+        timed(t, kNorm, [&] {
+            if (i == 0)
+                s->rms_norm(s->dtype, s->x, nullptr, l.attn_norm, s->h, m, s->hidden, s->eps);
+            else  // x += the last layer's MLP output, then normalized
+                s->rms_norm(s->dtype, s->delta, s->x, l.attn_norm, s->h, m, s->hidden, s->eps);
+        });
+        timed(t, kQkv, [&] {
+            rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.qkv, l.qkv_bias, qkv, m, qkv_size, s->hidden,
+                            s->num_threads);
+        });
+        timed(t, kRope, [&] {
+            s->rope(s->dtype, qkv, m, qkv_size, s->heads + s->kv_heads, s->head_dim, l.cos, l.sin, s->positions);
+        });
         const char *k = qkv + q_size * esize, *v = qkv + (q_size + kv_size) * esize;
-        if (s->write_kv_int8)
-            s->write_kv_int8(s->dtype, k, qkv_size, v, qkv_size, k_cache, k_cache + s->v_offset, s->slot_mapping, m,
-                             s->kv_heads, s->head_dim);
-        else
-            s->write_kv(k, qkv_size * esize, v, qkv_size * esize, k_cache, k_cache + s->v_offset, s->slot_mapping, m,
-                        kv_size * esize);
-        rc |= s->attention(s->dtype, qkv, qkv_size, k_cache, k_cache + s->v_offset, s->block_tables, s->table_stride,
-                           s->seq_lens, s->attn, int(m), s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale,
-                           s->num_threads, l.window, s->softcap);
-        rc |= s->linear(s->linear_dtype, s->attn, q_size, l.o, nullptr, s->delta, m, s->hidden, q_size, s->num_threads);
-        s->rms_norm(s->dtype, s->delta, s->x, l.mlp_norm, s->h, m, s->hidden, s->eps);
-        rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.gate_up, nullptr, s->gate_up, m, 2 * s->intermediate,
-                        s->hidden, s->num_threads);
-        s->silu_mul(s->dtype, s->gate_up, s->act, m, s->intermediate);
-        rc |= s->linear(s->linear_dtype, s->act, s->intermediate, l.down, nullptr, s->delta, m, s->hidden,
-                        s->intermediate, s->num_threads);
+        timed(t, kWriteKv, [&] {
+            if (s->write_kv_int8)
+                s->write_kv_int8(s->dtype, k, qkv_size, v, qkv_size, k_cache, k_cache + s->v_offset, s->slot_mapping,
+                                 m, s->kv_heads, s->head_dim);
+            else
+                s->write_kv(k, qkv_size * esize, v, qkv_size * esize, k_cache, k_cache + s->v_offset, s->slot_mapping,
+                            m, kv_size * esize);
+        });
+        timed(t, kAttention, [&] {
+            rc |= s->attention(s->dtype, qkv, qkv_size, k_cache, k_cache + s->v_offset, s->block_tables,
+                               s->table_stride, s->seq_lens, s->attn, int(m), s->heads, s->kv_heads, s->head_dim,
+                               s->block_size, s->scale, s->num_threads, l.window, s->softcap);
+        });
+        timed(t, kO, [&] {
+            rc |= s->linear(s->linear_dtype, s->attn, q_size, l.o, nullptr, s->delta, m, s->hidden, q_size,
+                            s->num_threads);
+        });
+        timed(t, kNorm, [&] { s->rms_norm(s->dtype, s->delta, s->x, l.mlp_norm, s->h, m, s->hidden, s->eps); });
+        timed(t, kGateUp, [&] {
+            rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.gate_up, nullptr, s->gate_up, m, 2 * s->intermediate,
+                            s->hidden, s->num_threads);
+        });
+        timed(t, kSiluMul, [&] { s->silu_mul(s->dtype, s->gate_up, s->act, m, s->intermediate); });
+        timed(t, kDown, [&] {
+            rc |= s->linear(s->linear_dtype, s->act, s->intermediate, l.down, nullptr, s->delta, m, s->hidden,
+                            s->intermediate, s->num_threads);
+        });
     }
     return rc;
 }

@@ -23,6 +23,8 @@ from iterserve.model.cpu_kernels import DTYPES, FLAGS, MIXED, _build, _f32, _i32
 from iterserve.model.quant import PanelWeight
 
 SOURCE = cpu_kernels.DECODE_SOURCE
+# What cpu_decode.cpp can time, per layer and in its Part order: both norms are "norm".
+PARTS = ("norm", "qkv", "rope", "write_kv", "attention", "o", "gate_up", "silu_mul", "down")
 
 
 class _Layer(ctypes.Structure):
@@ -39,7 +41,7 @@ class _Step(ctypes.Structure):
                 + [(name, _f32) for name in ("eps", "scale", "softcap")]
                 + [("kv_cache", _p), ("layer_bytes", _i64), ("v_offset", _i64), ("positions", _p),
                    ("slot_mapping", _p), ("block_tables", _p), ("table_stride", _i64), ("seq_lens", _p)]
-                + [(name, _p) for name in ("x", "delta", "h", "qkv", "attn", "gate_up", "act")])
+                + [(name, _p) for name in ("x", "delta", "h", "qkv", "attn", "gate_up", "act", "part_seconds")])
 
 
 @functools.cache
@@ -66,6 +68,7 @@ class DecodeLayers:
             model.rope_tables[l.rope][0].data_ptr(), model.rope_tables[l.rope][1].data_ptr(), l.window)
             for l in layers])
         self.intermediate = layers[0].gate_up.shape[0] // 2
+        self.part_seconds = None  # see time_parts
         self.linear_dtype = cpu_kernels.linear_code(model.dtype, layers[0].qkv.panels)
         ops = cpu_kernels.elementwise_ops()
         self.fns = {"rms_norm": _address(ops.rms_norm), "linear": _address(cpu_kernels.linear_kernel()),
@@ -96,6 +99,15 @@ class DecodeLayers:
             return None
         return DecodeLayers(model, kernel)
 
+    def time_parts(self, on: bool = True) -> None:
+        """Sum, from now on, the seconds each of PARTS takes over all layers (part_seconds, from zero), or
+        stop timing. A benchmark's tool (step_time.py --parts): two clock reads a call."""
+        self.part_seconds = (ctypes.c_double * len(PARTS))() if on else None
+
+    def parts(self) -> dict[str, float]:
+        """Seconds per part summed since time_parts()."""
+        return dict(zip(PARTS, self.part_seconds or [0.0] * len(PARTS)))
+
     def runs(self, plan, kv_cache: torch.Tensor) -> bool:
         """Whether this step is one it runs: decode rows only, through the paged kernel, a cache it reads."""
         return plan.decode_all and plan.decode_tables is not None and kv_cache.is_contiguous() and \
@@ -119,7 +131,8 @@ class DecodeLayers:
                      self.model.scale, cfg.attn_logit_softcap, kv_cache.data_ptr(), kv_cache.stride(0) * size,
                      kv_cache.stride(1) * size, positions.data_ptr(), plan.slot_mapping.data_ptr(), tables.data_ptr(),
                      tables.stride(0), plan.decode_seq_lens.data_ptr(), x.data_ptr(), delta.data_ptr(), h.data_ptr(),
-                     qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr())
+                     qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+                     None if self.part_seconds is None else ctypes.addressof(self.part_seconds))
         rc = self.kernel(ctypes.byref(step), self.layers, len(self.layers))
         if rc != 0:
             raise ValueError(f"decode layers: a kernel declined (code {rc})")

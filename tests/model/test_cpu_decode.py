@@ -100,3 +100,27 @@ def test_bf16_storage_and_quantized_weights_keep_the_python_loop(tmp_path):
     assert mixed.decode_layers is None  # bf16 panels under float32 arithmetic
     quantized = LlamaModel(arch, load_weights(str(tmp_path), arch), BS, quantization="int8")
     assert quantized.decode_layers is None
+
+
+@needs_kernels
+def test_timed_parts_add_up_each_layer_call_and_leave_the_step_bit_for_bit(tmp_path):
+    """step_time.py --parts: the C loop's timers see every part of every layer, change no bit, stop."""
+    build_checkpoint(tmp_path, "llama")
+    model = model_of(tmp_path, torch.float32)
+    cache = empty_cache(model, "auto")
+    with torch.inference_mode():
+        model.forward(torch.arange(3, 3 + sum(PROMPTS)), torch.cat([torch.arange(n) for n in PROMPTS]), cache,
+                      metadata(PROMPTS, PROMPTS, TABLES), torch.arange(len(PROMPTS)))
+        lens = [n + 1 for n in PROMPTS]
+        ids, positions = torch.tensor([7, 8, 9]), torch.tensor([n - 1 for n in lens])
+        md = metadata([1] * len(lens), lens, TABLES)
+        before = cache.clone()
+        untimed = model.forward(ids, positions, cache, md, torch.arange(len(lens)))
+        untimed_cache, cache = cache, before
+        model.decode_layers.time_parts()
+        timed = model.forward(ids, positions, cache, md, torch.arange(len(lens)))
+        parts = model.decode_layers.parts()
+        model.decode_layers.time_parts(False)
+    assert torch.equal(timed, untimed) and torch.equal(cache, untimed_cache)
+    assert list(parts) == list(cpu_decode.PARTS) and all(seconds > 0 for seconds in parts.values()), parts
+    assert model.decode_layers.part_seconds is None and not any(model.decode_layers.parts().values())
