@@ -1,8 +1,6 @@
 """benchmarks/attention_ab.py end to end against HEAD: the sources fetched from git are the tree's
 (on a clean tree), both builds bind, every case times both and their outputs agree exactly."""
-import importlib.util
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -10,12 +8,10 @@ import pytest
 import torch
 
 from iterserve.model import cpu_kernels
+from tests.bench import load_benchmark
 
 ROOT = Path(__file__).parents[2]
-SCRIPT = ROOT / "benchmarks" / "attention_ab.py"
-_spec = importlib.util.spec_from_file_location("benchmarks_attention_ab", SCRIPT)
-ab = sys.modules["benchmarks_attention_ab"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ab)
+ab = load_benchmark("attention_ab")
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.decode_attention_kernel() is None, reason="no C++ compiler here")
 

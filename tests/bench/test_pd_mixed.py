@@ -1,18 +1,13 @@
 """benchmarks/pd_mixed.py's checks without real engines: the host time it adds to the simulation, and
 the simulated rows with it and with a separate decode profile."""
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 from iterserve.outputs import StepRecord
 from iterserve.sim.hardware import HardwareSpec
+from tests.bench import load_benchmark
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "pd_mixed.py"
-_spec = importlib.util.spec_from_file_location("benchmarks_pd_mixed", SCRIPT)
-pd_mixed = sys.modules["benchmarks_pd_mixed"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pd_mixed)
+pd_mixed = load_benchmark("pd_mixed")
 
 
 def _args(tmp_path, **kw):

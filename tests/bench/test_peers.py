@@ -1,15 +1,9 @@
 """benchmarks/peers.py's pure helpers: the one KV budget every engine gets, and its report table."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "peers.py"
-_spec = importlib.util.spec_from_file_location("benchmarks_peers", SCRIPT)
-# registered before it runs: dataclasses look their module up in sys.modules
-peers = sys.modules["benchmarks_peers"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peers)
+from tests.bench import load_benchmark
+
+peers = load_benchmark("peers")
 
 
 def test_default_budget_holds_one_whole_request_per_slot():

@@ -1,19 +1,13 @@
 """benchmarks/step_time.py --parts on the default model: one line per batch naming every part the
 C layer loop timed, each seen, then the LM head and the rest."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.model.cpu_decode import PARTS
+from tests.bench import load_benchmark
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "step_time.py"
-_spec = importlib.util.spec_from_file_location("benchmarks_step_time", SCRIPT)
-step_time = sys.modules["benchmarks_step_time"] = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(step_time)
+step_time = load_benchmark("step_time")
 
 
 def test_parts_line_times_every_part_of_the_step():
