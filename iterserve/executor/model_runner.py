@@ -541,7 +541,10 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    kv = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+    # private: Linux gives shared anonymous memory (shmem) huge pages only where shmem_enabled allows,
+    # which it does not by default; the tensor keeps the mapping alive
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    kv = torch.frombuffer(mapping, dtype=dtype).view(shape)
     # Decode reads K/V block by block from all over the pool: over 4 KiB pages nearly every block is a
     # TLB miss (decode attention over scattered blocks ran 15-25% faster on huge pages, measured)
     advise_huge_pages(kv.data_ptr(), kv.nbytes)

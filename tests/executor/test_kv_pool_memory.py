@@ -1,6 +1,7 @@
 """The CPU KV pool is zeros whose memory is committed as its blocks are first written, not at start-up."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from iterserve.executor.model_runner import lazy_zeros
@@ -26,3 +27,35 @@ def test_the_pool_is_zeros_that_cost_nothing_until_written():
 def test_an_empty_pool_is_allowed():  # no swap pool with recompute preemption
     kv = lazy_zeros((2, 2, 0, 16, 4, 64), torch.bfloat16)
     assert kv.shape == (2, 2, 0, 16, 4, 64) and kv.dtype == torch.bfloat16
+
+
+def huge_page_bytes(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def transparent_huge_pages() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not transparent_huge_pages(), reason="this kernel gives no transparent huge pages")
+def test_the_pool_faults_in_huge_pages():
+    """Decode reads blocks scattered over the whole pool: over 4 KiB pages nearly each one is a TLB
+    miss. A shared anonymous mapping would be shmem, which gets huge pages only where
+    shmem_enabled says so (by default it does not)."""
+    kv = lazy_zeros((2, 2, 2048, 16, 4, 64), torch.float32)  # 128 MiB
+    kv[0, 0] = 1.0  # 32 MiB
+    assert huge_page_bytes(kv.data_ptr()) >= 16 * MiB
