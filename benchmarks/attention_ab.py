@@ -1,6 +1,6 @@
 """The C++ attention kernels of a git revision against the working tree's, alternated in one process.
 
-    python benchmarks/attention_ab.py [--base HEAD] [--kv bf16,int8] [--layout scattered]
+    python benchmarks/attention_ab.py [--base HEAD] [--kv bf16,int8,pairs] [--layout scattered]
                                       [--decode 32x640,64x256] [--prompt 512,2048] [--repeats 9]
 
 Builds cpu_attention.cpp (with its header) as it is at --base and as it is in the working tree, then
@@ -9,7 +9,8 @@ times each kernel on the same inputs, the two builds one call after the other, a
 over the model's 30 layers (SmolLM2-135M's shapes: 9 query heads, 3 kv heads, head_dim 64, blocks
 of 16), K/V random; --layout scattered gives every sequence its own blocks in random order (as a
 running server's cache), cached lets every sequence share one sequence's blocks (they stay in
-cache: the kernel's arithmetic alone). Prompt: one layer's causal attention over T tokens. The
+cache: the kernel's arithmetic alone). --kv pairs: the base's bf16 kernel over rows against the
+working tree's over the same cache in the pair layout (model/attention.py). Prompt: one layer's causal attention over T tokens. The
 machine may be shared: compare the two columns of one run, never figures across runs.
 """
 from __future__ import annotations
@@ -24,7 +25,9 @@ from pathlib import Path
 
 import torch
 
+from iterserve.executor.model_runner import lazy_zeros
 from iterserve.model import cpu_kernels
+from iterserve.model.attention import rows_to_pairs
 from iterserve.model.kv_quant import quantize_kv
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
@@ -59,6 +62,13 @@ def alternate(calls, repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
+def pool_copy(cache: torch.Tensor) -> torch.Tensor:
+    """The cache in memory allocated as the engine allocates its pool (on huge pages where it can)."""
+    pool = lazy_zeros(tuple(cache.shape), cache.dtype)
+    pool.copy_(cache)
+    return pool
+
+
 def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: str,
                 repeats: int) -> tuple[float, float, float]:
     """(base seconds, tree seconds, largest output difference) of one decode step's attention."""
@@ -66,6 +76,8 @@ def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: 
     total = batch * blocks if layout == "scattered" else blocks
     x = torch.randn(LAYERS, 2, total, BLOCK, KV_HEADS, HEAD_DIM) * 0.3
     cache = quantize_kv(x) if kv == "int8" else x.to(torch.bfloat16)
+    caches = [cache, torch.stack(rows_to_pairs(cache[:, 0], cache[:, 1]), dim=1) if kv == "pairs" else cache]
+    caches = [pool_copy(c) for c in caches]
     if layout == "scattered":
         tables = torch.randperm(total).to(torch.int32).view(batch, blocks).contiguous()
     else:
@@ -76,9 +88,10 @@ def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: 
     outs = [None] * len(kernels)
 
     def run(i: int):
-        for layer in cache:
+        pairs = kv == "pairs" and i == 1
+        for layer in caches[i]:
             outs[i] = cpu_kernels.decode_attention(q, layer[0], layer[1], tables, lens, HEAD_DIM ** -0.5, threads,
-                                                   kernel=kernels[i][kv])
+                                                   kernel=kernels[i]["int8" if kv == "int8" else "bf16"], pairs=pairs)
     base, ours = alternate([lambda: run(0), lambda: run(1)], repeats)
     return base, ours, (outs[0].float() - outs[1].float()).abs().max().item()
 
@@ -109,7 +122,7 @@ def row(case: str, base: float, ours: float, diff: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
-    ap.add_argument("--kv", default="bf16,int8", help="decode caches: bf16, int8")
+    ap.add_argument("--kv", default="bf16,int8", help="decode caches: bf16, int8, pairs (bf16 rows at --base, pairs here)")
     ap.add_argument("--layout", default="scattered", choices=["scattered", "cached"])
     ap.add_argument("--decode", default="32x640,64x256", help="BxCONTEXT cases; empty: none")
     ap.add_argument("--prompt", default="512,2048", help="prompt lengths; empty: none")

@@ -85,7 +85,7 @@ class Executor(Protocol):
 
 @runtime_checkable
 class KVBlockIO(Protocol):
-    """An executor whose KV blocks can be read out and written in, in the pool's layout (the hand-off
+    """An executor whose KV blocks can be read out and written in, in rows of the pool's shape (the hand-off
     of disaggregated prefill); not part of the Executor contract, which every executor meets."""
 
     def read_blocks(self, block_ids: list[int]): ...

@@ -26,6 +26,7 @@ from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.logits_processors import make_adjust
 from iterserve.executor.sampler import make_batch, prompt_logprobs, sample, verify_random_drafts
 from iterserve.heap import advise_huge_pages
+from iterserve.model.attention import pairs_to_rows, rows_to_pairs
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model import weight_cache
@@ -289,9 +290,15 @@ class ModelRunner:
     # ------------------------------------------------------------ KV hand-off (disaggregated prefill)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of these blocks on the CPU, in the pool's layout [layers, 2, n, block_size, kv_heads, head_dim]
-        (an int8 pool's rows carry their scales: head_dim + 4)."""
-        return gather_blocks(self.kv_cache, block_ids).to("cpu")
+        """A copy of these blocks on the CPU, [layers, 2, n, block_size, kv_heads, head_dim] in rows (an
+        int8 pool's rows carry their scales: head_dim + 4)."""
+        blocks = gather_blocks(self.kv_cache, block_ids).to("cpu")
+        if self._pairs():  # hand-offs travel in rows, whatever layout either pool keeps
+            blocks = torch.stack(pairs_to_rows(blocks[:, 0], blocks[:, 1]), dim=1)
+        return blocks
+
+    def _pairs(self) -> bool:
+        return self.model.attention.pairs and self.kv_cache.dtype == torch.bfloat16
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Fill these blocks from read_blocks' layout (another engine's, of the same model and block size)."""
@@ -301,7 +308,10 @@ class ModelRunner:
                              "both engines need the same --kv-cache-dtype")
         if tuple(blocks.shape) != expected:
             raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} do not fit this pool's {expected}")
-        scatter_blocks(self.kv_cache, block_ids, blocks.to(self.device, self.kv_cache.dtype))
+        blocks = blocks.to(self.device, self.kv_cache.dtype)
+        if self._pairs():
+            blocks = torch.stack(rows_to_pairs(blocks[:, 0], blocks[:, 1]), dim=1)
+        scatter_blocks(self.kv_cache, block_ids, blocks)
 
     def _prepare(self, plan: SchedulerOutput, nrows: list[int] | None):
         """Flat step inputs; nrows: _logits_rows(plan.scheduled), the logits rows each request gets."""

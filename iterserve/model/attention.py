@@ -19,6 +19,14 @@ the C++ decode kernel does not read the blocks wholly behind it. Gemma 2's score
 A bfloat16 cache under float32 arithmetic (--dtype bf16-storage) is read the same way as an int8 one:
 rounded as it is written, widened where it is read.
 
+A bfloat16 cache on a CPU whose decode kernel reads it (cpu_kernels.pairs_supported) is kept in the
+pair layout instead of rows: inside the same [block_size, Hkv, D] storage of a block, each kv head's K
+is [D/2, block_size, 2] (one vector holds dimensions 2i, 2i+1 of 16 positions) and its V [block_size/2,
+D, 2] (one vector holds 16 dimensions of two positions), so the decode kernel's Q.K needs no reduction
+and its P.V no widening (cpu_attention.cpp, attend_pairs). It is written by the C write only and read
+by the decode kernel in place; everything else (prompt chunks, P/D hand-offs) goes through
+pairs_to_rows. Swaps and prefix-cache hits move whole blocks and never look inside.
+
 An int8 cache (--kv-cache-dtype int8, layout in kv_quant.py) is quantized as it is written. The C++
 decode kernel reads its int8 rows and scales in place; the torch gather dequantizes the gathered
 context; prompt rows dequantize their sequence's blocks, their own new K/V included, so that a
@@ -77,6 +85,7 @@ class AttentionPlan:
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int32
     num_threads: int = 1
     kernels: bool = False  # C++ K/V write, and prompt rows through the causal kernel where it supports them
+    pairs: bool = False  # a bfloat16 cache is in the pair layout (see the module's doc); int8 ones never are
     # set by the first layer, which sees the cache's shape, and reused by the others:
     decode_kv_rows: torch.Tensor | None = None  # [Bd * Hkv * L] rows of layer_cache[0].view(-1, D), head-major
     decode_ctx: torch.Tensor | None = None  # [2, Bd, Hkv, L, D] the gather target
@@ -84,10 +93,12 @@ class AttentionPlan:
 
 
 def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
-               workspace: Workspace | None = None, use_kernel: bool = False) -> AttentionPlan:
+               workspace: Workspace | None = None, use_kernel: bool = False, pairs: bool = False) -> AttentionPlan:
     """workspace: where the decode context is gathered (a fresh tensor per step without one).
     use_kernel: decode rows go through the C++ kernel, which reads the paged cache in place, and
-    prompt rows through its causal kernel where that supports the dtype and head dim."""
+    prompt rows through its causal kernel where that supports the dtype and head dim. pairs: a
+    bfloat16 cache is in the pair layout (needs use_kernel)."""
+    assert use_kernel or not pairs
     starts = md.query_start_loc.tolist() if md.max_query_len > 1 else range(md.num_seqs + 1)
     dec = [b for b, q in enumerate(md.query_lens_list) if q == 1]
     decode_rows = decode_blocks = decode_bias = decode_tables = decode_seq_lens = None
@@ -122,7 +133,7 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
         prompts.append(PromptSeq(slice(s, s + q_len), seq_len, fresh,
                                  md.block_tables[b, : -(-seq_len // block_size)].long(), mask))
     return AttentionPlan(block_size, md.slot_mapping, decode_rows, decode_all, decode_blocks, decode_bias, prompts,
-                         workspace, decode_tables, decode_seq_lens, torch.get_num_threads(), use_kernel)
+                         workspace, decode_tables, decode_seq_lens, torch.get_num_threads(), use_kernel, pairs)
 
 
 def _kv_rows(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
@@ -133,11 +144,33 @@ def _kv_rows(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.
     return (tok * num_kv_heads + torch.arange(num_kv_heads, device=blocks.device)[None, :, None]).view(-1)
 
 
+def in_pairs(plan: AttentionPlan, layer_cache: torch.Tensor) -> bool:
+    return plan.pairs and layer_cache.dtype == torch.bfloat16
+
+
+def pairs_to_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [..., block_size, Hkv, D] of a pair-layout cache's K and V -> the same blocks in rows."""
+    *lead, bs, hkv, d = k.shape
+    k = k.reshape(-1, hkv, d // 2, bs, 2).permute(0, 3, 1, 2, 4)
+    v = v.reshape(-1, hkv, bs // 2, d, 2).permute(0, 2, 4, 1, 3)
+    return k.reshape(*lead, bs, hkv, d), v.reshape(*lead, bs, hkv, d)
+
+
+def rows_to_pairs(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pairs_to_rows' inverse."""
+    *lead, bs, hkv, d = k.shape
+    k = k.reshape(-1, bs, hkv, d // 2, 2).permute(0, 2, 3, 1, 4)
+    v = v.reshape(-1, bs // 2, 2, hkv, d).permute(0, 3, 1, 4, 2)
+    return k.reshape(*lead, bs, hkv, d), v.reshape(*lead, bs, hkv, d)
+
+
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             use_kernel: bool = False) -> None:
+             use_kernel: bool = False, pairs: bool = False) -> None:
     """layer_cache [2, num_blocks, block_size, Hkv, D] (int8: D + 4, quantized on the way in, see
-    kv_quant.py); k, v [T, Hkv, D]; in place."""
+    kv_quant.py); k, v [T, Hkv, D]; in place. pairs: the cache is in the pair layout."""
     quantized = layer_cache.dtype == torch.int8
+    if pairs:
+        return cpu_kernels.write_kv_pairs(layer_cache[0], layer_cache[1], k, v, slot_mapping)
     if use_kernel and cpu_kernels.elementwise_ops() is not None:  # a memcpy per row: index_copy_ took ~30 us
         write = cpu_kernels.write_kv_int8 if quantized else cpu_kernels.write_kv
         return write(layer_cache[0], layer_cache[1], k, v, slot_mapping)
@@ -154,7 +187,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
                     plan: AttentionPlan, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] (this step's, rope applied) -> out [T, H, D]. window: a query sees
     only the last `window` positions (0: all); softcap: scores = softcap * tanh(scores / softcap) (0: off)."""
-    write_kv(layer_cache, k, v, plan.slot_mapping, plan.kernels)
+    write_kv(layer_cache, k, v, plan.slot_mapping, plan.kernels, in_pairs(plan, layer_cache))
     if plan.decode_all:
         return _decode(q, layer_cache, plan, scale, window, softcap)
     out = torch.empty_like(q)
@@ -175,7 +208,8 @@ def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, sca
     """One query per sequence: q [B, H, D] against the gathered, head-major context [2, B, Hkv, L, D]."""
     if plan.decode_tables is not None:
         return cpu_kernels.decode_attention(q, layer_cache[0], layer_cache[1], plan.decode_tables, plan.decode_seq_lens,
-                                            scale, plan.num_threads, window=window, softcap=softcap)
+                                            scale, plan.num_threads, window=window, softcap=softcap,
+                                            pairs=in_pairs(plan, layer_cache))
     b, h, d = q.shape
     hkv, width = layer_cache.shape[3:]  # width: d, or d + 4 for an int8 cache's rows with their scales
     g = h // hkv
@@ -214,7 +248,7 @@ def _window_bias(plan: AttentionPlan, window: int) -> torch.Tensor:
 def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
             p: PromptSeq, scale: float, plan: AttentionPlan, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     if not p.fresh or layer_cache.dtype != q.dtype:
-        k, v = _cached_context(layer_cache, p, q.dtype)
+        k, v = _cached_context(layer_cache, p, q.dtype, in_pairs(plan, layer_cache))
     if plan.kernels and not softcap and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
         return cpu_kernels.prompt_attention(q, k, v, scale, plan.num_threads, window)  # causal, bottom-right aligned
     if window or softcap:
@@ -229,14 +263,18 @@ def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torc
     return out[0].transpose(0, 1).to(dtype)
 
 
-def _cached_context(layer_cache: torch.Tensor, p: PromptSeq, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _cached_context(layer_cache: torch.Tensor, p: PromptSeq, dtype: torch.dtype,
+                    pairs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequence's K, V [seq_len, Hkv, D] read through its block table (this step's were just
     written). An int8 cache's are dequantized, a fresh prompt's too: every query then sees the values
     its later decodes and any prefix-cache hit will, whatever the batching. So is a bfloat16 cache
     under float32 queries, widened."""
     hkv, width = layer_cache.shape[3:]
     # index_select copies whole blocks (memcpy); advanced indexing goes element by element (~8x slower)
-    k, v = (layer_cache[i].index_select(0, p.block_table).view(-1, hkv, width)[: p.seq_len] for i in (0, 1))
+    k, v = (layer_cache[i].index_select(0, p.block_table) for i in (0, 1))
+    if pairs:
+        k, v = pairs_to_rows(k, v)
+    k, v = (x.reshape(-1, hkv, width)[: p.seq_len] for x in (k, v))
     if layer_cache.dtype == torch.int8:
         return dequantize_kv(k, dtype), dequantize_kv(v, dtype)
     return k.to(dtype), v.to(dtype)

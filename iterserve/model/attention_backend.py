@@ -14,7 +14,8 @@ reference to compare a GPU run against.
 
 Both backends expose prepare(meta) once per step (shared by all layers) and
 attend(q, k, v, layer_cache, prepared, scale, window, softcap), which also writes this step's K/V
-into the cache; window (0: none) and softcap (0: none) are the layer's, from ModelArch.
+into the cache; window (0: none) and softcap (0: none) are the layer's, from ModelArch. `pairs`: a
+bfloat16 cache is in the pair layout (attention.py), which only the torch backend's CPU kernels keep.
 """
 from __future__ import annotations
 
@@ -33,15 +34,21 @@ class TorchAttention:
     name = "torch"
     graph_safe = False
 
-    def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device, head_dim: int = 0,
+                 num_heads: int = 0, pairs: bool | None = None):
         self.block_size, self.dtype = block_size, dtype
         self.workspace = Workspace()  # the decode gather buffer, reused across layers and steps
         # decode rows read the paged cache in place through the C++ kernel, where it builds
         self.use_kernel = device.type == "cpu" and dtype in cpu_kernels.DTYPES and \
             cpu_kernels.decode_attention_kernel() is not None
+        # a bfloat16 cache in the pair layout (attention.py) wherever the kernel reads it; pairs=False
+        # keeps rows (tests compare the two)
+        supported = self.use_kernel and dtype == torch.bfloat16 and \
+            cpu_kernels.pairs_supported(head_dim, block_size, num_heads)
+        self.pairs = supported if pairs is None else pairs and supported
 
     def prepare(self, meta: AttentionMetadata):
-        return build_plan(meta, self.block_size, self.dtype, self.workspace, self.use_kernel)
+        return build_plan(meta, self.block_size, self.dtype, self.workspace, self.use_kernel, self.pairs)
 
     def attend(self, q, k, v, layer_cache: torch.Tensor, plan, scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
@@ -51,6 +58,7 @@ class TorchAttention:
 class TritonAttention:
     name = "triton"
     graph_safe = True
+    pairs = False
 
     def __init__(self) -> None:
         from iterserve.model.triton_attention import paged_attention_triton, write_kv_triton
@@ -83,7 +91,8 @@ def backend_name(device: torch.device) -> str:
     return "triton" if device.type == "cuda" and has_triton() else "torch"
 
 
-def attention_backend(device: torch.device, block_size: int, dtype: torch.dtype):
+def attention_backend(device: torch.device, block_size: int, dtype: torch.dtype, head_dim: int = 0,
+                      num_heads: int = 0):
     if backend_name(device) == "triton":
         return TritonAttention()
-    return TorchAttention(block_size, dtype, device)
+    return TorchAttention(block_size, dtype, device, head_dim, num_heads)

@@ -403,6 +403,148 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
         }
 }
 
+#if defined(__AVX512BF16__)
+// A bf16 cache in the pair layout (KvLayout.PAIRS in attention.py): within a block of bs positions,
+// kv head h's K is [D/2][bs][2] and its V [bs/2][D][2]. One vector of K holds dimensions 2i, 2i+1 of
+// 16 positions, so a query head's 16 scores are D/2 `vdpbf16ps` against its broadcast pairs with no
+// reduction; one vector of V holds 16 dimensions of positions 2j, 2j+1, so P.V is a `vdpbf16ps` per
+// 16 dimensions and two positions against the broadcast pair of their probabilities (rounded to bf16,
+// as the prompt kernel and torch's flash attention on CPU do). The row layout spends ~2/3 of the
+// kernel's instructions on the reductions of Q.K and on widening V.
+inline size_t pair_k(int i, int r, int bs) { return (size_t(i) * bs + r) * 2; }  // dims 2i, 2i+1 of position r
+inline size_t pair_v(int r, int d, int D) { return (size_t(r / 2) * D + d) * 2 + (r & 1); }
+
+// NT query heads' scores for 16 positions: k points at their first K pair, pairs bs * 2 elements apart.
+template <int D, int NT>
+inline void qk_pairs(const uint16_t* k, int bs, const uint32_t* qg, float* s, size_t padded, __m512 scale) {
+    constexpr int A = 4;  // accumulators a head: the dot product's latency
+    __m512 a[NT][A];
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t)
+        for (int u = 0; u < A; ++u) a[t][u] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int i = 0; i < D / 2; i += A) {
+        __m512bh kv[A];
+        for (int u = 0; u < A; ++u) kv[u] = (__m512bh)_mm512_loadu_si512(k + pair_k(i + u, 0, bs));
+        for (int t = 0; t < NT; ++t)
+            for (int u = 0; u < A; ++u)
+                a[t][u] = _mm512_dpbf16_ps(a[t][u], (__m512bh)_mm512_set1_epi32(qg[t * (D / 2) + i + u]), kv[u]);
+    }
+    for (int t = 0; t < NT; ++t) {
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]), _mm512_add_ps(a[t][2], a[t][3]));
+        _mm512_storeu_ps(s + t * padded, _mm512_mul_ps(sum, scale));
+    }
+}
+
+// acc[NT][D] += P.V over `pairs` position pairs of one kv head's block; pg[t] the heads' probability
+// pairs (pstride words apart). odd: the last pair's second position is past the sequence, its V unwritten.
+template <int D, int NT>
+inline void pv_pairs(const uint16_t* v, int pairs, bool odd, const uint32_t* pg, size_t pstride, float* acc) {
+    constexpr int C = D / 16;
+    __m512 a[NT][C];
+    for (int t = 0; t < NT; ++t)
+        for (int c = 0; c < C; ++c) a[t][c] = _mm512_load_ps(acc + t * D + 16 * c);
+    for (int j = 0; j < pairs; ++j) {
+        const __mmask32 keep = odd && j == pairs - 1 ? 0x55555555u : 0xffffffffu;  // 0 * an unwritten inf is nan
+        __m512bh vv[C];
+        for (int c = 0; c < C; ++c)
+            vv[c] = (__m512bh)_mm512_maskz_loadu_epi16(keep, v + pair_v(2 * j, 16 * c, D));
+        for (int t = 0; t < NT; ++t) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(pg[t * pstride + j]);
+            for (int c = 0; c < C; ++c) a[t][c] = _mm512_dpbf16_ps(a[t][c], w, vv[c]);
+        }
+    }
+    for (int t = 0; t < NT; ++t)
+        for (int c = 0; c < C; ++c) _mm512_store_ps(acc + t * D + 16 * c, a[t][c]);
+}
+
+// attend_seq over a pair-layout cache: the same passes, arguments and `part` output.
+template <int D>
+void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* table,
+                  int seq_len, uint16_t* out, int num_kv_heads, int G, int bs, float scale,
+                  std::vector<float>& scores, int skip, float softcap, float* part) {
+    const int H = num_kv_heads * G;
+    const size_t head_block = size_t(bs) * D, block = num_kv_heads * head_block;  // elements
+    const int padded = (seq_len + 31) & ~31;  // whole position pairs of whole vectors
+    scores.resize(size_t(H) * padded + size_t(H) * padded / 2 + size_t(H) * D + 16);
+    float* s = scores.data();
+    uint32_t* pb = reinterpret_cast<uint32_t*>(s + size_t(H) * padded);  // [H][padded / 2] bf16 pairs
+    float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(pb + size_t(H) * padded / 2) + 63) & ~uintptr_t(63));
+    alignas(64) uint32_t qp[kMaxHeads * D / 2];
+    std::memcpy(qp, q, sizeof(uint16_t) * H * D);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int num_blocks = (seq_len + bs - 1) / bs;
+    auto tile = [&](int n, auto body) {  // up to 4 query heads at a time, as a template count
+        switch (n) {
+            case 1: body(std::integral_constant<int, 1>{}); break;
+            case 2: body(std::integral_constant<int, 2>{}); break;
+            case 3: body(std::integral_constant<int, 3>{}); break;
+            default: body(std::integral_constant<int, 4>{});
+        }
+    };
+    for (int j = 0; j < num_blocks; ++j) {
+        const uint16_t* blk = k_cache + size_t(table[j]) * block;
+        const uint16_t* next = j + 1 < num_blocks ? k_cache + size_t(table[j + 1]) * block : v_cache + size_t(table[0]) * block;
+        for (int h = 0; h < num_kv_heads; ++h) {
+            prefetch_l2(next + h * head_block, head_block * 2);
+            for (int p = j * bs; p < (j + 1) * bs && p < seq_len; p += 16)
+                for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4)
+                    tile(std::min(4, (h + 1) * G - g0), [&](auto nt) {
+                        qk_pairs<D, decltype(nt)::value>(blk + h * head_block + pair_k(0, p - j * bs, bs), bs,
+                                                         qp + g0 * (D / 2), s + size_t(g0) * padded + p, padded, vscale);
+                    });
+        }
+    }
+    if (skip > 0 || softcap > 0.f)
+        for (int g = 0; g < H; ++g) cap_and_mask(s + size_t(g) * padded, seq_len, skip, softcap);
+    float inv[kMaxHeads];
+    for (int g = 0; g < H; ++g) {
+        float* sg = s + size_t(g) * padded;
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int p = 0; p < seq_len; p += 16)
+            m = _mm512_mask_max_ps(m, seq_len - p >= 16 ? 0xffff : __mmask16((1u << (seq_len - p)) - 1u), m, _mm512_loadu_ps(sg + p));
+        const float max_score = _mm512_reduce_max_ps(m);
+        const __m512 mx = _mm512_set1_ps(max_score);
+        __m512 sum = _mm512_setzero_ps();
+        uint16_t* pg = reinterpret_cast<uint16_t*>(pb + size_t(g) * padded / 2);
+        for (int p = 0; p < padded; p += 16) {  // zeros past the end: a pair's second may be past it
+            const __mmask16 k = p >= seq_len ? 0 : seq_len - p >= 16 ? 0xffff : __mmask16((1u << (seq_len - p)) - 1u);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + p), mx)));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + p), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        const float total = _mm512_reduce_add_ps(sum);
+        inv[g] = 1.f / total;
+        if (part) {
+            part[size_t(H) * D + 2 * g] = max_score;
+            part[size_t(H) * D + 2 * g + 1] = total;
+        }
+    }
+    constexpr int TG = 16 / (D / 16);  // query heads a tile: 16 accumulators
+    std::fill(acc, acc + size_t(H) * D, 0.f);
+    for (int j = 0; j < num_blocks; ++j) {
+        const uint16_t* blk = v_cache + size_t(table[j]) * block;
+        const int m = std::min(bs, seq_len - j * bs);
+        for (int h = 0; h < num_kv_heads; ++h) {
+            if (j + 1 < num_blocks) prefetch_l2(v_cache + size_t(table[j + 1]) * block + h * head_block, head_block * 2);
+            for (int g0 = h * G; g0 < (h + 1) * G; g0 += TG)
+                tile(std::min(TG, (h + 1) * G - g0), [&](auto nt) {
+                    constexpr int NT = std::min(int(decltype(nt)::value), TG);
+                    pv_pairs<D, NT>(blk + h * head_block, (m + 1) / 2, m & 1, pb + size_t(g0) * padded / 2 + j * bs / 2,
+                                    padded / 2, acc + size_t(g0) * D);
+                });
+        }
+    }
+    for (int g = 0; g < H; ++g)
+        for (int c = 0; c < D / 16; ++c) {
+            const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc + g * D + 16 * c), _mm512_set1_ps(inv[g]));
+            if (part)
+                _mm512_storeu_ps(part + g * D + 16 * c, o);
+            else
+                store16(out + g * D + 16 * c, o);
+        }
+}
+#endif
 #elif defined(ITERSERVE_SIMD_DECODE)
 // The same computation with AVX2 (8 lanes) for head_dim 64 and 128: 8 positions scored per vector.
 // Without bf16 dot products, a bf16 (or int8) cache's K rows are widened once per 8 positions and kv
@@ -747,7 +889,7 @@ void merge_slices(const float* parts, int num_parts, int H, T* out) {
 template <int D, typename T, typename KV>
 void decode_simd(const T* q, int64_t q_stride, const KV* k_cache, const KV* v_cache, const int32_t* block_tables,
                    int64_t table_stride, const int32_t* seq_lens, T* out, int num_seqs, int H, int num_kv_heads, int block_size,
-                   float scale, int num_threads, int window, float softcap) {
+                   float scale, int num_threads, int window, float softcap, bool pairs) {
     struct Item { int seq, begin, len, part, skip; };  // part: index of its slice buffer, -1 when whole
     struct Split { int seq, first_part, num_parts; };
     std::vector<Item> items;
@@ -779,6 +921,17 @@ void decode_simd(const T* q, int64_t q_stride, const KV* k_cache, const KV* v_ca
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < items.size(); ++i) {
             const Item& it = items[i];
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<KV, uint16_t>) {
+                if (pairs) {
+                    attend_pairs<D>(q + it.seq * q_stride, k_cache, v_cache,
+                                    block_tables + it.seq * table_stride + it.begin / block_size, it.len,
+                                    out + it.seq * seq_stride, num_kv_heads, G, block_size, scale, scores, it.skip,
+                                    softcap, it.part < 0 ? nullptr : parts.data() + it.part * part_size);
+                    continue;
+                }
+            }
+#endif
             attend_seq<D, T, KV>(q + it.seq * q_stride, k_cache, v_cache,
                                     block_tables + it.seq * table_stride + it.begin / block_size, it.len,
                                     out + it.seq * seq_stride, num_kv_heads, G, block_size, scale, scores, it.skip,
@@ -790,12 +943,24 @@ void decode_simd(const T* q, int64_t q_stride, const KV* k_cache, const KV* v_ca
 }
 #endif
 
+// Whether this build reads a bf16 cache in the pair layout for these shapes.
+inline bool pairs_supported(int head_dim, int block_size, int num_heads) {
+#if defined(__AVX512BF16__) && defined(ITERSERVE_SIMD_DECODE)
+    return (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && num_heads <= kMaxHeads;
+#else
+    (void)head_dim, (void)block_size, (void)num_heads;
+    return false;
+#endif
+}
+
 template <typename T, typename KV>
 int decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache, const int32_t* block_tables,
            int64_t table_stride, const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
-           int num_kv_heads, int head_dim, int block_size, float scale, int num_threads, int window, float softcap) {
+           int num_kv_heads, int head_dim, int block_size, float scale, int num_threads, int window, float softcap,
+           bool pairs = false) {
     const int G = num_heads / num_kv_heads;
     if (head_dim > kMaxHeadDim || G > kMaxGroup || G * num_kv_heads != num_heads) return 1;
+    if (pairs && !pairs_supported(head_dim, block_size, num_heads)) return 1;  // never read pairs as rows
     const T* qt = static_cast<const T*>(q);
     const KV* kc = static_cast<const KV*>(k_cache);
     const KV* vc = static_cast<const KV*>(v_cache);
@@ -805,10 +970,10 @@ int decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_c
     if ((head_dim == 64 || head_dim == 128) && num_heads <= kMaxHeads) {
         if (head_dim == 64)
             decode_simd<64, T, KV>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
-                                 num_kv_heads, block_size, scale, num_threads, window, softcap);
+                                 num_kv_heads, block_size, scale, num_threads, window, softcap, pairs);
         else
             decode_simd<128, T, KV>(qt, q_stride, kc, vc, block_tables, table_stride, seq_lens, ot, num_seqs, num_heads,
-                                  num_kv_heads, block_size, scale, num_threads, window, softcap);
+                                  num_kv_heads, block_size, scale, num_threads, window, softcap, pairs);
         return 0;
     }
 #endif
@@ -836,7 +1001,8 @@ extern "C" {
 // [num_blocks, block_size, num_kv_heads, head_dim], contiguous; block_tables [num_seqs, table_stride]
 // int32; seq_lens [num_seqs] int32. window > 0: each query sees only the last `window` positions;
 // softcap > 0: scores = softcap * tanh(scores / softcap). Returns 0, or 1 for shapes it does not
-// handle. dtype: 0 float32, 1 bfloat16, 2 float32 q and out over a bfloat16 cache (--dtype bf16-storage).
+// handle. dtype: 0 float32, 1 bfloat16, 2 float32 q and out over a bfloat16 cache (--dtype bf16-storage),
+// 3 bfloat16 with the cache in the pair layout (attend_pairs; 1 where iterserve_decode_pairs_supported is 0).
 int iterserve_decode_attention(int dtype, const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                                const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
                                void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
@@ -844,6 +1010,10 @@ int iterserve_decode_attention(int dtype, const void* q, int64_t q_stride, const
     if (dtype == 0)
         return decode<float, float>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, num_seqs,
                                     num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
+    if (dtype == 3)  // bfloat16 in the pair layout
+        return decode<uint16_t, uint16_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out,
+                                          num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads,
+                                          window, softcap, true);
     if (dtype == 2)
         return decode<float, uint16_t>(q, q_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out,
                                        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, num_threads,
@@ -868,6 +1038,11 @@ int iterserve_decode_attention_int8(int dtype, const void* q, int64_t q_stride, 
                                     num_heads, num_kv_heads, head_dim, block_size, scale, num_threads, window, softcap);
 }
 
+
+// 1 when iterserve_decode_attention reads a bfloat16 cache in the pair layout (dtype 3) for these shapes.
+int iterserve_decode_pairs_supported(int head_dim, int block_size, int num_heads) {
+    return pairs_supported(head_dim, block_size, num_heads) ? 1 : 0;
+}
 
 // 1 when iterserve_prompt_attention runs for this dtype and head_dim in this build, else 0.
 int iterserve_prompt_attention_supported(int dtype, int head_dim) {

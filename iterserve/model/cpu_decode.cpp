@@ -28,6 +28,8 @@ typedef void (*RopeFn)(int, void*, int64_t, int64_t, int, int, const void*, cons
 typedef void (*WriteKvFn)(const void*, int64_t, const void*, int64_t, void*, void*, const int64_t*, int64_t, int64_t);
 typedef void (*WriteKvInt8Fn)(int, const void*, int64_t, const void*, int64_t, void*, void*, const int64_t*, int64_t,
                               int, int);
+typedef void (*WriteKvPairsFn)(const void*, int64_t, const void*, int64_t, void*, void*, const int64_t*, int64_t, int,
+                               int, int);
 typedef int (*AttentionFn)(int, const void*, int64_t, const void*, const void*, const int32_t*, int64_t,
                            const int32_t*, void*, int, int, int, int, int, float, int, int, float);
 typedef void (*SiluMulFn)(int, const void*, void*, int64_t, int64_t);
@@ -49,8 +51,9 @@ struct DecodeStep {
     RmsNormFn rms_norm;
     LinearFn linear;
     RopeFn rope;
-    WriteKvFn write_kv;  // one of these two: the other is null
+    WriteKvFn write_kv;  // one of these three: the others are null
     WriteKvInt8Fn write_kv_int8;
+    WriteKvPairsFn write_kv_pairs;  // a bfloat16 cache in the pair layout, read by the attention's dtype code 3
     AttentionFn attention;
     SiluMulFn silu_mul;
     int dtype;         // the arithmetic's, as the kernels code it: 0 float32, 1 bfloat16
@@ -101,7 +104,10 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
         });
         const char *k = qkv + q_size * esize, *v = qkv + (q_size + kv_size) * esize;
         timed(t, kWriteKv, [&] {
-            if (s->write_kv_int8)
+            if (s->write_kv_pairs)
+                s->write_kv_pairs(k, qkv_size, v, qkv_size, k_cache, k_cache + s->v_offset, s->slot_mapping, m,
+                                  s->kv_heads, s->head_dim, s->block_size);
+            else if (s->write_kv_int8)
                 s->write_kv_int8(s->dtype, k, qkv_size, v, qkv_size, k_cache, k_cache + s->v_offset, s->slot_mapping,
                                  m, s->kv_heads, s->head_dim);
             else
@@ -109,7 +115,7 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
                             m, kv_size * esize);
         });
         timed(t, kAttention, [&] {
-            rc |= s->attention(s->dtype, qkv, qkv_size, k_cache, k_cache + s->v_offset, s->block_tables,
+            rc |= s->attention(s->write_kv_pairs ? 3 : s->dtype, qkv, qkv_size, k_cache, k_cache + s->v_offset, s->block_tables,
                                s->table_stride, s->seq_lens, s->attn, int(m), s->heads, s->kv_heads, s->head_dim,
                                s->block_size, s->scale, s->num_threads, l.window, s->softcap);
         });

@@ -19,6 +19,7 @@ import functools
 import torch
 
 from iterserve.model import cpu_kernels
+from iterserve.model.attention import in_pairs
 from iterserve.model.cpu_kernels import DTYPES, FLAGS, MIXED, _build, _f32, _i32, _i64, _p
 from iterserve.model.quant import PanelWeight
 
@@ -33,8 +34,8 @@ class _Layer(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = ([(name, _p) for name in ("rms_norm", "linear", "rope", "write_kv", "write_kv_int8", "attention",
-                                         "silu_mul")]
+    _fields_ = ([(name, _p) for name in ("rms_norm", "linear", "rope", "write_kv", "write_kv_int8", "write_kv_pairs",
+                                         "attention", "silu_mul")]
                 + [(name, _i32) for name in ("dtype", "linear_dtype", "num_threads", "heads", "kv_heads", "head_dim",
                                              "block_size")]
                 + [(name, _i64) for name in ("rows", "hidden", "intermediate")]
@@ -73,7 +74,7 @@ class DecodeLayers:
         ops = cpu_kernels.elementwise_ops()
         self.fns = {"rms_norm": _address(ops.rms_norm), "linear": _address(cpu_kernels.linear_kernel()),
                     "rope": _address(ops.rope), "silu_mul": _address(ops.silu_mul), "write_kv": _address(ops.write_kv),
-                    "write_kv_int8": _address(ops.write_kv_int8),
+                    "write_kv_int8": _address(ops.write_kv_int8), "write_kv_pairs": _address(ops.write_kv_pairs),
                     "attention": _address(cpu_kernels.decode_attention_kernel()),
                     "attention_int8": _address(cpu_kernels.decode_attention_int8_kernel())}
 
@@ -121,11 +122,12 @@ class DecodeLayers:
         empty = lambda n: torch.empty(m, n, dtype=self.dtype)  # noqa: E731
         delta, h, qkv, attn = empty(cfg.hidden_size), empty(cfg.hidden_size), empty(q_size + 2 * kv_size), empty(q_size)
         gate_up, act = empty(2 * self.intermediate), empty(self.intermediate)
-        int8 = kv_cache.dtype == torch.int8
+        int8, pairs = kv_cache.dtype == torch.int8, in_pairs(plan, kv_cache)
         f, size = self.fns, kv_cache.element_size()
         tables = plan.decode_tables
-        step = _Step(f["rms_norm"], f["linear"], f["rope"], None if int8 else f["write_kv"],
-                     f["write_kv_int8"] if int8 else None, f["attention_int8" if int8 else "attention"], f["silu_mul"],
+        step = _Step(f["rms_norm"], f["linear"], f["rope"], None if int8 or pairs else f["write_kv"],
+                     f["write_kv_int8"] if int8 else None, f["write_kv_pairs"] if pairs else None,
+                     f["attention_int8" if int8 else "attention"], f["silu_mul"],
                      DTYPES[self.dtype], self.linear_dtype, plan.num_threads, cfg.num_heads, cfg.num_kv_heads,
                      cfg.head_dim, plan.block_size, m, cfg.hidden_size, self.intermediate, cfg.rms_norm_eps,
                      self.model.scale, cfg.attn_logit_softcap, kv_cache.data_ptr(), kv_cache.stride(0) * size,

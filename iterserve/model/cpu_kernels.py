@@ -43,6 +43,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DEFAULT_BUILDS = ((SOURCE, FLAGS), (LINEAR_SOURCE, FLAGS), (OPS_SOURCE, [*FLAGS, OPS_FLAG]), (DECODE_SOURCE, FLAGS))
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIXED = 2  # the kernels' code for float32 activations over bfloat16 weights or K/V (--dtype bf16-storage)
+PAIRS = 3  # the decode kernel's code for a bfloat16 cache in the pair layout (attention.py's KV layouts)
 PAIRS = 3  # cpu_linear.cpp's code for bfloat16 throughout over panels in the pairs layout (AVX-512 BF16)
 INT8 = 4  # cpu_linear.cpp's code for int8 panels (w8a8) under float32 activations; + 1 under bfloat16
 INT8_GROUP = 64  # cpu_linear.cpp's kGroup: inputs an activation scale covers, and a column sum
@@ -181,6 +182,14 @@ def decode_attention_kernel(extra_flags: tuple[str, ...] = ()):
 
 
 @functools.cache
+def pairs_supported(head_dim: int, block_size: int, num_heads: int) -> bool:
+    """Whether the decode kernel reads a bfloat16 cache in the pair layout for these shapes here
+    (AVX-512 BF16 builds, head_dim 64 or 128, blocks of a multiple of 16 positions)."""
+    fn = _bind(_build(SOURCE, FLAGS), "iterserve_decode_pairs_supported", [_i32, _i32, _i32], _i32)
+    return fn is not None and elementwise_ops() is not None and bool(fn(head_dim, block_size, num_heads))
+
+
+@functools.cache
 def decode_attention_int8_kernel(extra_flags: tuple[str, ...] = ()):
     """The same over an int8 cache (kv_quant.py's layout), from the same library; or None."""
     lib = _build(SOURCE, [*FLAGS, *extra_flags])
@@ -211,6 +220,7 @@ class Ops:
     write_kv: object
     write_kv_bf16: object
     write_kv_int8: object
+    write_kv_pairs: object
 
 
 @functools.cache
@@ -224,18 +234,19 @@ def elementwise_ops(extra_flags: tuple[str, ...] = ()) -> Ops | None:
            _bind(lib, "iterserve_argmax_rows", [_i32, _p, _i64, _i64, _p]),
            _bind(lib, "iterserve_write_kv", [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
            _bind(lib, "iterserve_write_kv_bf16", [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
-           _bind(lib, "iterserve_write_kv_int8", [_i32, _p, _i64, _p, _i64, _p, _p, _p, _i64, _i32, _i32]))
+           _bind(lib, "iterserve_write_kv_int8", [_i32, _p, _i64, _p, _i64, _p, _p, _p, _i64, _i32, _i32]),
+           _bind(lib, "iterserve_write_kv_pairs", [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i32, _i32, _i32]))
     return Ops(*fns) if all(fns) else None
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_threads: int, kernel=None, window: int = 0,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, pairs: bool = False) -> torch.Tensor:
     """q [B, H, D] (each row's heads contiguous, rows any stride: a view into qkv) -> out [B, H, D]
     contiguous; caches [num_blocks, block_size, Hkv, D], or int8 [..., D + 4] (kv_quant.py), read as
     they are, or bfloat16 under a float32 q; tables/lens int32. window > 0: each query sees its last
     `window` positions only; softcap > 0: scores = softcap * tanh(scores / softcap). kernel: the
-    function of the cache's kind."""
+    function of the cache's kind. pairs: a bfloat16 cache in the pair layout (see pairs_supported)."""
     quantized = k_cache.dtype == torch.int8
     fn = kernel or (decode_attention_int8_kernel() if quantized else decode_attention_kernel())
     b, h, d = q.shape
@@ -247,8 +258,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     mixed = not quantized and k_cache.dtype != q.dtype
     assert not mixed or (q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)
+    assert not pairs or (q.dtype == k_cache.dtype == torch.bfloat16)
     out = q.new_empty(b, h, d)
-    rc = fn(MIXED if mixed else DTYPES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+    rc = fn(PAIRS if pairs else MIXED if mixed else DTYPES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, scale, num_threads,
             window, softcap)
     if rc != 0:
@@ -326,6 +338,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     size = k.element_size()
     elementwise_ops().write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
                                v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv * d * size)
+
+
+def write_kv_pairs(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """write_kv into bfloat16 caches in the pair layout (attention.py); k/v bfloat16."""
+    t, hkv, d = k.shape
+    assert k_cache.dtype == v_cache.dtype == k.dtype == v.dtype == torch.bfloat16
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.dtype == torch.int64
+    assert all(x.stride(1) == d and x.stride(2) == 1 for x in (k, v)) and slot_mapping.is_contiguous()
+    elementwise_ops().write_kv_pairs(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                     v_cache.data_ptr(), slot_mapping.data_ptr(), t, hkv, d, k_cache.shape[1])
 
 
 def write_kv_int8(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

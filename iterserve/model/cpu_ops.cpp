@@ -184,6 +184,27 @@ inline void write_kv(const char* k, int64_t k_stride, const char* v, int64_t v_s
     }
 }
 
+// write_kv into a bfloat16 cache in the pair layout (cpu_attention.cpp's attend_pairs): within a block
+// of block_size positions, a kv head's K is [D/2][block_size][2] and its V [block_size/2][D][2]. Rows
+// k_stride / v_stride elements apart; a negative slot (padding) is skipped.
+inline void write_kv_pairs(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, uint16_t* k_cache,
+                           uint16_t* v_cache, const int64_t* slot_mapping, int64_t rows, int kv_heads, int head_dim,
+                           int block_size) {
+    const int64_t head_block = int64_t(block_size) * head_dim, block = kv_heads * head_block;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = slot_mapping[r];
+        if (slot < 0) continue;
+        const int64_t b = slot / block_size, i = slot % block_size;
+        for (int h = 0; h < kv_heads; ++h) {
+            const uint16_t *kr = k + r * k_stride + h * head_dim, *vr = v + r * v_stride + h * head_dim;
+            uint16_t* kb = k_cache + b * block + h * head_block + 2 * i;  // dims (2d, 2d+1) at [d][i]
+            for (int d = 0; d < head_dim / 2; ++d) std::memcpy(kb + d * 2 * block_size, kr + 2 * d, 4);
+            uint16_t* vb = v_cache + b * block + h * head_block + (i / 2) * 2 * head_dim + (i & 1);
+            for (int d = 0; d < head_dim; ++d) vb[2 * d] = vr[d];
+        }
+    }
+}
+
 // write_kv from float32 rows into a bfloat16 cache (--dtype bf16-storage), rounded as torch rounds;
 // strides and row width in elements.
 inline void write_kv_bf16(const float* k, int64_t k_stride, const float* v, int64_t v_stride, uint16_t* k_cache,
@@ -245,6 +266,13 @@ void iterserve_write_kv(const void* k, int64_t k_stride, const void* v, int64_t 
              static_cast<char*>(v_cache), slot_mapping, rows, row_bytes);
 }
 
+void iterserve_write_kv_pairs(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* k_cache,
+                              void* v_cache, const int64_t* slot_mapping, int64_t rows, int kv_heads, int head_dim,
+                              int block_size) {
+    write_kv_pairs(static_cast<const uint16_t*>(k), k_stride, static_cast<const uint16_t*>(v), v_stride,
+                   static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), slot_mapping, rows, kv_heads,
+                   head_dim, block_size);
+}
 void iterserve_write_kv_bf16(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* k_cache,
                              void* v_cache, const int64_t* slot_mapping, int64_t rows, int64_t row_elems) {
     write_kv_bf16(static_cast<const float*>(k), k_stride, static_cast<const float*>(v), v_stride,

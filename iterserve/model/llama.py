@@ -138,7 +138,8 @@ class LlamaModel:
         float_head = isinstance(self.lm_head, PanelWeight) and self.lm_head.panels.is_floating_point()
         self.embed = None if tied and float_head else w["model.embed_tokens.weight"]
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
-        self.attention = attention_backend(self.device, block_size, self.dtype)  # torch or triton
+        self.attention = attention_backend(self.device, block_size, self.dtype, cfg.head_dim,
+                                           cfg.num_heads)  # torch or triton
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # fused C++ RMSNorm / rotary / silu-and-mul on CPU where they build (cpu_ops.cpp); torch ops otherwise
         self.cpu_ops = self.device.type == "cpu" and self.dtype in cpu_kernels.DTYPES and \
