@@ -68,6 +68,7 @@ def random_checkpoint(args, path: str) -> str:
 def rank_main(rank: int, config: EngineConfig, port: int, batches: list[int], context: int, bps: int,
               repeats: int, results) -> None:
     runner = build_rank(rank, 2, config, port)
+    runner.kv_cache.normal_(0, 0.1)
     runner.model.tp = timer = TimedCollectives(runner.model.tp)
     for b in batches:
         plan = decode_plan(b, context, bps)
@@ -104,6 +105,7 @@ def main() -> None:
                   num_kv_blocks=max(batches) * bps, use_cuda_graphs=False)
 
     runner = ModelRunner(EngineConfig(**common, num_threads=args.threads))
+    runner.kv_cache.normal_(0, 0.1)  # a "pre-filled" cache: unwritten pages all read as one zero page
     tp1 = {b: timed(lambda: runner.execute(decode_plan(b, args.context, bps)), args.repeats) for b in batches}
     del runner
 
