@@ -10,8 +10,10 @@ over the model's 30 layers (SmolLM2-135M's shapes: 9 query heads, 3 kv heads, he
 of 16), K/V random; --layout scattered gives every sequence its own blocks in random order (as a
 running server's cache), cached lets every sequence share one sequence's blocks (they stay in
 cache: the kernel's arithmetic alone). --kv pairs: the base's bf16 kernel over rows against the
-working tree's over the same cache in the pair layout (model/attention.py). Prompt: one layer's causal attention over T tokens. The
-machine may be shared: compare the two columns of one run, never figures across runs.
+working tree's over the same cache in the pair layout (model/attention.py). The caches are allocated
+as the engine's pool is (lazy_zeros: huge pages where Linux gives them). Prompt: one layer's causal
+attention over T tokens. The machine may be shared: compare the two columns of one run, never
+figures across runs.
 """
 from __future__ import annotations
 
@@ -122,7 +124,8 @@ def row(case: str, base: float, ours: float, diff: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="the git revision to compare the working tree against")
-    ap.add_argument("--kv", default="bf16,int8", help="decode caches: bf16, int8, pairs (bf16 rows at --base, pairs here)")
+    ap.add_argument("--kv", default="bf16,int8",
+                    help="decode caches: bf16, int8, pairs (bf16 rows at --base, pairs here)")
     ap.add_argument("--layout", default="scattered", choices=["scattered", "cached"])
     ap.add_argument("--decode", default="32x640,64x256", help="BxCONTEXT cases; empty: none")
     ap.add_argument("--prompt", default="512,2048", help="prompt lengths; empty: none")

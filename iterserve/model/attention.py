@@ -145,6 +145,7 @@ def _kv_rows(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.
 
 
 def in_pairs(plan: AttentionPlan, layer_cache: torch.Tensor) -> bool:
+    """Whether this cache is in the pair layout: the plan's bfloat16 ones are, int8 ones never."""
     return plan.pairs and layer_cache.dtype == torch.bfloat16
 
 

@@ -35,17 +35,15 @@ class TorchAttention:
     graph_safe = False
 
     def __init__(self, block_size: int, dtype: torch.dtype, device: torch.device, head_dim: int = 0,
-                 num_heads: int = 0, pairs: bool | None = None):
+                 num_heads: int = 0):
         self.block_size, self.dtype = block_size, dtype
         self.workspace = Workspace()  # the decode gather buffer, reused across layers and steps
         # decode rows read the paged cache in place through the C++ kernel, where it builds
         self.use_kernel = device.type == "cpu" and dtype in cpu_kernels.DTYPES and \
             cpu_kernels.decode_attention_kernel() is not None
-        # a bfloat16 cache in the pair layout (attention.py) wherever the kernel reads it; pairs=False
-        # keeps rows (tests compare the two)
-        supported = self.use_kernel and dtype == torch.bfloat16 and \
+        # a bfloat16 cache in the pair layout (attention.py) wherever the kernel reads it
+        self.pairs = self.use_kernel and dtype == torch.bfloat16 and \
             cpu_kernels.pairs_supported(head_dim, block_size, num_heads)
-        self.pairs = supported if pairs is None else pairs and supported
 
     def prepare(self, meta: AttentionMetadata):
         return build_plan(meta, self.block_size, self.dtype, self.workspace, self.use_kernel, self.pairs)

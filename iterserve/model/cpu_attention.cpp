@@ -404,13 +404,13 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
 }
 
 #if defined(__AVX512BF16__)
-// A bf16 cache in the pair layout (KvLayout.PAIRS in attention.py): within a block of bs positions,
+// A bf16 cache in the pair layout (attention.py, cpu_ops.cpp's write_kv_pairs): within a block of bs positions,
 // kv head h's K is [D/2][bs][2] and its V [bs/2][D][2]. One vector of K holds dimensions 2i, 2i+1 of
 // 16 positions, so a query head's 16 scores are D/2 `vdpbf16ps` against its broadcast pairs with no
 // reduction; one vector of V holds 16 dimensions of positions 2j, 2j+1, so P.V is a `vdpbf16ps` per
 // 16 dimensions and two positions against the broadcast pair of their probabilities (rounded to bf16,
-// as the prompt kernel and torch's flash attention on CPU do). The row layout spends ~2/3 of the
-// kernel's instructions on the reductions of Q.K and on widening V.
+// as the prompt kernel and torch's flash attention on CPU do). Over rows, most of the kernel's
+// instructions went to Q.K's reductions and to widening V.
 inline size_t pair_k(int i, int r, int bs) { return (size_t(i) * bs + r) * 2; }  // dims 2i, 2i+1 of position r
 inline size_t pair_v(int r, int d, int D) { return (size_t(r / 2) * D + d) * 2 + (r & 1); }
 
@@ -469,7 +469,8 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
     scores.resize(size_t(H) * padded + size_t(H) * padded / 2 + size_t(H) * D + 16);
     float* s = scores.data();
     uint32_t* pb = reinterpret_cast<uint32_t*>(s + size_t(H) * padded);  // [H][padded / 2] bf16 pairs
-    float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(pb + size_t(H) * padded / 2) + 63) & ~uintptr_t(63));
+    const uintptr_t acc_at = reinterpret_cast<uintptr_t>(pb + size_t(H) * padded / 2);
+    float* acc = reinterpret_cast<float*>((acc_at + 63) & ~uintptr_t(63));  // [H][D], aligned
     alignas(64) uint32_t qp[kMaxHeads * D / 2];
     std::memcpy(qp, q, sizeof(uint16_t) * H * D);
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -484,31 +485,35 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
     };
     for (int j = 0; j < num_blocks; ++j) {
         const uint16_t* blk = k_cache + size_t(table[j]) * block;
-        const uint16_t* next = j + 1 < num_blocks ? k_cache + size_t(table[j + 1]) * block : v_cache + size_t(table[0]) * block;
+        const uint16_t* next = j + 1 < num_blocks ? k_cache + size_t(table[j + 1]) * block  // then V's first
+                                                  : v_cache + size_t(table[0]) * block;
         for (int h = 0; h < num_kv_heads; ++h) {
             prefetch_l2(next + h * head_block, head_block * 2);
             for (int p = j * bs; p < (j + 1) * bs && p < seq_len; p += 16)
                 for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4)
                     tile(std::min(4, (h + 1) * G - g0), [&](auto nt) {
-                        qk_pairs<D, decltype(nt)::value>(blk + h * head_block + pair_k(0, p - j * bs, bs), bs,
-                                                         qp + g0 * (D / 2), s + size_t(g0) * padded + p, padded, vscale);
+                        const uint16_t* k = blk + h * head_block + pair_k(0, p - j * bs, bs);
+                        qk_pairs<D, decltype(nt)::value>(k, bs, qp + g0 * (D / 2), s + size_t(g0) * padded + p, padded,
+                                                         vscale);
                     });
         }
     }
     if (skip > 0 || softcap > 0.f)
         for (int g = 0; g < H; ++g) cap_and_mask(s + size_t(g) * padded, seq_len, skip, softcap);
+    auto live = [&](int p) {  // which of positions p .. p + 15 are in the sequence
+        return p >= seq_len ? __mmask16(0) : seq_len - p >= 16 ? __mmask16(0xffff) : __mmask16((1u << (seq_len - p)) - 1u);
+    };
     float inv[kMaxHeads];
     for (int g = 0; g < H; ++g) {
         float* sg = s + size_t(g) * padded;
         __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int p = 0; p < seq_len; p += 16)
-            m = _mm512_mask_max_ps(m, seq_len - p >= 16 ? 0xffff : __mmask16((1u << (seq_len - p)) - 1u), m, _mm512_loadu_ps(sg + p));
+        for (int p = 0; p < seq_len; p += 16) m = _mm512_mask_max_ps(m, live(p), m, _mm512_loadu_ps(sg + p));
         const float max_score = _mm512_reduce_max_ps(m);
         const __m512 mx = _mm512_set1_ps(max_score);
         __m512 sum = _mm512_setzero_ps();
         uint16_t* pg = reinterpret_cast<uint16_t*>(pb + size_t(g) * padded / 2);
         for (int p = 0; p < padded; p += 16) {  // zeros past the end: a pair's second may be past it
-            const __mmask16 k = p >= seq_len ? 0 : seq_len - p >= 16 ? 0xffff : __mmask16((1u << (seq_len - p)) - 1u);
+            const __mmask16 k = live(p);
             const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + p), mx)));
             sum = _mm512_add_ps(sum, e);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + p), (__m256i)_mm512_cvtneps_pbh(e));
@@ -526,7 +531,8 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
         const uint16_t* blk = v_cache + size_t(table[j]) * block;
         const int m = std::min(bs, seq_len - j * bs);
         for (int h = 0; h < num_kv_heads; ++h) {
-            if (j + 1 < num_blocks) prefetch_l2(v_cache + size_t(table[j + 1]) * block + h * head_block, head_block * 2);
+            if (j + 1 < num_blocks)
+                prefetch_l2(v_cache + size_t(table[j + 1]) * block + h * head_block, head_block * 2);
             for (int g0 = h * G; g0 < (h + 1) * G; g0 += TG)
                 tile(std::min(TG, (h + 1) * G - g0), [&](auto nt) {
                     constexpr int NT = std::min(int(decltype(nt)::value), TG);

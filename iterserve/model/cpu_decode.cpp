@@ -115,7 +115,8 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
                             m, kv_size * esize);
         });
         timed(t, kAttention, [&] {
-            rc |= s->attention(s->write_kv_pairs ? 3 : s->dtype, qkv, qkv_size, k_cache, k_cache + s->v_offset, s->block_tables,
+            const int attention_dtype = s->write_kv_pairs ? 3 : s->dtype;
+            rc |= s->attention(attention_dtype, qkv, qkv_size, k_cache, k_cache + s->v_offset, s->block_tables,
                                s->table_stride, s->seq_lens, s->attn, int(m), s->heads, s->kv_heads, s->head_dim,
                                s->block_size, s->scale, s->num_threads, l.window, s->softcap);
         });

@@ -43,8 +43,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 DEFAULT_BUILDS = ((SOURCE, FLAGS), (LINEAR_SOURCE, FLAGS), (OPS_SOURCE, [*FLAGS, OPS_FLAG]), (DECODE_SOURCE, FLAGS))
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIXED = 2  # the kernels' code for float32 activations over bfloat16 weights or K/V (--dtype bf16-storage)
-PAIRS = 3  # the decode kernel's code for a bfloat16 cache in the pair layout (attention.py's KV layouts)
-PAIRS = 3  # cpu_linear.cpp's code for bfloat16 throughout over panels in the pairs layout (AVX-512 BF16)
+# bfloat16 throughout, in a pairs layout (AVX-512 BF16): cpu_linear.cpp's code for its panels, and the decode
+# kernel's for a cache (attention.py)
+PAIRS = 3
 INT8 = 4  # cpu_linear.cpp's code for int8 panels (w8a8) under float32 activations; + 1 under bfloat16
 INT8_GROUP = 64  # cpu_linear.cpp's kGroup: inputs an activation scale covers, and a column sum
 
@@ -260,7 +261,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert not mixed or (q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)
     assert not pairs or (q.dtype == k_cache.dtype == torch.bfloat16)
     out = q.new_empty(b, h, d)
-    rc = fn(PAIRS if pairs else MIXED if mixed else DTYPES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+    code = PAIRS if pairs else MIXED if mixed else DTYPES[q.dtype]
+    rc = fn(code, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, scale, num_threads,
             window, softcap)
     if rc != 0:

@@ -219,7 +219,8 @@ inline void write_kv_pairs(const uint16_t* k, int64_t k_stride, const uint16_t* 
                 for (int d = 0; d < head_dim; d += 32) {
                     _mm512_i32scatter_epi32(kb + d * block_size, lines, _mm512_loadu_si512(kr + d), 2);
                     for (int c = d; c < d + 32; c += 16) {
-                        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + c)));
+                        const __m256i row = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + c));
+                        __m512i wide = _mm512_cvtepu16_epi32(row);
                         if (i & 1) wide = _mm512_slli_epi32(wide, 16);
                         _mm512_mask_storeu_epi16(vb + 2 * c, half, wide);
                     }
