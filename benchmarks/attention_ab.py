@@ -66,7 +66,7 @@ def alternate(calls, repeats: int) -> list[float]:
 
 def pool_copy(cache: torch.Tensor) -> torch.Tensor:
     """The cache in memory allocated as the engine allocates its pool (on huge pages where it can)."""
-    pool = lazy_zeros(tuple(cache.shape), cache.dtype)
+    pool = lazy_zeros(tuple(cache.shape), cache.dtype, huge_pages=True)
     pool.copy_(cache)
     return pool
 

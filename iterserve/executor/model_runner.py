@@ -146,10 +146,12 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.kv_cache_spec = replace(self.kv_cache_spec, num_device_blocks=num_kv_blocks,
                                      num_host_blocks=num_host_blocks)
+        self.graphs: CudaGraphRunner | None = None  # the measurement below runs eagerly
         if config.scheduler_config.preemption_mode == "auto":
             self.kv_cache_spec = replace(self.kv_cache_spec, **self._measure_preemption_costs())
+        if self.device.type == "cpu":  # after the measurement's few blocks: they stay on small pages
+            pool_on_huge_pages(self.kv_cache)
         # Captured last: the graphs hold the KV cache by address, and the pool is sized without them.
-        self.graphs: CudaGraphRunner | None = None
         if self.device.type == "cuda" and mc.use_cuda_graphs and self.model.attention.graph_safe:
             self.graphs = CudaGraphRunner(self.model.forward, self.kv_cache, config.scheduler_config.max_num_seqs,
                                           self.max_model_len, self.block_size)
@@ -545,9 +547,10 @@ def scatter_blocks(pool: torch.Tensor, block_ids, blocks: torch.Tensor) -> None:
         pool[:, :, first:first + n] = blocks[:, :, i:i + n]
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
     """Zeros in an anonymous mapping, which the kernel fills with zero pages on first touch: the KV pool
-    costs memory as its blocks are first used, not all of it at start-up (1 GiB written at every start)."""
+    costs memory as its blocks are first used, not all of it at start-up (1 GiB written at every start).
+    Unwritten pages all read as one zero page. huge_pages: see pool_on_huge_pages."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
@@ -555,7 +558,13 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # which it does not by default; the tensor keeps the mapping alive
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     kv = torch.frombuffer(mapping, dtype=dtype).view(shape)
-    # Decode reads K/V block by block from all over the pool: over 4 KiB pages nearly every block is a
-    # TLB miss (decode attention over scattered blocks ran 15-25% faster on huge pages, measured)
-    advise_huge_pages(kv.data_ptr(), kv.nbytes)
+    if huge_pages:
+        pool_on_huge_pages(kv)
     return kv
+
+
+def pool_on_huge_pages(kv: torch.Tensor) -> None:
+    """Decode reads K/V block by block from all over the pool: over 4 KiB pages nearly every block is
+    a TLB miss. Pages first touched from now on come 2 MiB at a time; a block touches one in each
+    layer's K and V, so a start that touches a few blocks pays for 2 x layers of them."""
+    advise_huge_pages(kv.data_ptr(), kv.nbytes)

@@ -29,18 +29,19 @@ def test_an_empty_pool_is_allowed():  # no swap pool with recompute preemption
     assert kv.shape == (2, 2, 0, 16, 4, 64) and kv.dtype == torch.bfloat16
 
 
-def huge_page_bytes(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+def huge_page_bytes(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings under the tensor (/proc/self/smaps; madvise splits a mapping at
+    the 2 MiB boundaries it advises)."""
+    lo_t, hi_t, total, inside = t.data_ptr(), t.data_ptr() + t.nbytes, 0, False
     with open("/proc/self/smaps") as f:
-        inside = False
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
+                inside = lo < hi_t and hi > lo_t
             elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) * 1024
-    return 0
+                total += int(line.split()[1]) * 1024
+    return total
 
 
 def transparent_huge_pages() -> bool:
@@ -56,6 +57,20 @@ def test_the_pool_faults_in_huge_pages():
     """Decode reads blocks scattered over the whole pool: over 4 KiB pages nearly each one is a TLB
     miss. A shared anonymous mapping would be shmem, which gets huge pages only where
     shmem_enabled says so (by default it does not)."""
-    kv = lazy_zeros((2, 2, 2048, 16, 4, 64), torch.float32)  # 128 MiB
+    kv = lazy_zeros((2, 2, 2048, 16, 4, 64), torch.float32, huge_pages=True)  # 128 MiB
     kv[0, 0] = 1.0  # 32 MiB
-    assert huge_page_bytes(kv.data_ptr()) >= 16 * MiB
+    assert huge_page_bytes(kv) >= 16 * MiB
+
+
+@pytest.mark.skipif(not transparent_huge_pages(), reason="this kernel gives no transparent huge pages")
+def test_the_engines_pool_is_advised_after_its_start_up_measurement():
+    """The start-up measurement's blocks stay on small pages (2 x layers huge ones would be first
+    touched at every start); blocks the engine writes later come on huge pages. (The measurement ran
+    a step before the runner had a `graphs` attribute, so auto preemption failed at start-up.)"""
+    from iterserve.config import EngineConfig
+    from iterserve.executor.model_runner import ModelRunner
+    runner = ModelRunner(EngineConfig(kv_cache_memory="512MiB", preemption_mode="auto"))
+    assert runner.kv_cache_spec.swap_bytes_per_s > 0 and runner.kv_cache_spec.recompute_tokens_per_s > 0
+    kv = runner.kv_cache
+    kv[:, :, kv.shape[2] // 2:] = 1  # the second half of every layer's K and V
+    assert huge_page_bytes(kv) >= 128 * MiB
