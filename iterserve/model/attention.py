@@ -23,7 +23,8 @@ A bfloat16 cache on a CPU whose decode kernel reads it (cpu_kernels.pairs_suppor
 pair layout instead of rows: inside the same [block_size, Hkv, D] storage of a block, each kv head's K
 is [D/2, block_size, 2] (one vector holds dimensions 2i, 2i+1 of 16 positions) and its V [block_size/2,
 D, 2] (one vector holds 16 dimensions of two positions), so the decode kernel's Q.K needs no reduction
-and its P.V no widening (cpu_attention.cpp, attend_pairs). It is written by the C write only and read
+and its P.V widens V by a shift and a mask (cpu_attention.cpp, attend_pairs): the row kernel's
+results, to a bf16 ulp, at about half its instructions. It is written by the C write only and read
 by the decode kernel in place; everything else (prompt chunks, P/D hand-offs) goes through
 pairs_to_rows. Swaps and prefix-cache hits move whole blocks and never look inside.
 

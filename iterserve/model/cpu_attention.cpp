@@ -404,13 +404,14 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
 }
 
 #if defined(__AVX512BF16__)
-// A bf16 cache in the pair layout (attention.py, cpu_ops.cpp's write_kv_pairs): within a block of bs positions,
-// kv head h's K is [D/2][bs][2] and its V [bs/2][D][2]. One vector of K holds dimensions 2i, 2i+1 of
-// 16 positions, so a query head's 16 scores are D/2 `vdpbf16ps` against its broadcast pairs with no
-// reduction; one vector of V holds 16 dimensions of positions 2j, 2j+1, so P.V is a `vdpbf16ps` per
-// 16 dimensions and two positions against the broadcast pair of their probabilities (rounded to bf16,
-// as the prompt kernel and torch's flash attention on CPU do). Over rows, most of the kernel's
-// instructions went to Q.K's reductions and to widening V.
+// A bf16 cache in the pair layout (attention.py, cpu_ops.cpp's write_kv_pairs): within a block of bs
+// positions, kv head h's K is [D/2][bs][2] and its V [bs/2][D][2]. One vector of K holds dimensions 2i,
+// 2i+1 of 16 positions, so a query head's 16 scores are D/2 `vdpbf16ps` against its broadcast pairs
+// with no reduction (over rows, with the K/V in cache, a third of the kernel's time). One vector of V holds 16
+// dimensions of positions 2j, 2j+1: a shift and a mask widen both, exactly, for float32 FMAs with the
+// float32 probabilities. Rounding P to bf16 for `vdpbf16ps` instead, as the prompt kernel does, was
+// ~10% faster with the K/V in cache and no faster from memory, and it moved greedy tokens away from
+// the row kernel's.
 inline size_t pair_k(int i, int r, int bs) { return (size_t(i) * bs + r) * 2; }  // dims 2i, 2i+1 of position r
 inline size_t pair_v(int r, int d, int D) { return (size_t(r / 2) * D + d) * 2 + (r & 1); }
 
@@ -436,22 +437,28 @@ inline void qk_pairs(const uint16_t* k, int bs, const uint32_t* qg, float* s, si
     }
 }
 
-// acc[NT][D] += P.V over `pairs` position pairs of one kv head's block; pg[t] the heads' probability
-// pairs (pstride words apart). odd: the last pair's second position is past the sequence, its V unwritten.
+// acc[NT][D] += P.V over `pairs` position pairs of one kv head's block; pg[t] the heads' probabilities
+// (pstride apart), from the block's first position. A V vector's two positions come apart by a shift
+// (the even one) and a mask (the odd one), each value exact in float32, so the sums are the row
+// kernel's, in its order. odd: the last pair's second position is past the sequence, its V unwritten.
 template <int D, int NT>
-inline void pv_pairs(const uint16_t* v, int pairs, bool odd, const uint32_t* pg, size_t pstride, float* acc) {
+inline void pv_pairs(const uint16_t* v, int pairs, bool odd, const float* pg, size_t pstride, float* acc) {
     constexpr int C = D / 16;
+    const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
     __m512 a[NT][C];
     for (int t = 0; t < NT; ++t)
         for (int c = 0; c < C; ++c) a[t][c] = _mm512_load_ps(acc + t * D + 16 * c);
     for (int j = 0; j < pairs; ++j) {
         const __mmask32 keep = odd && j == pairs - 1 ? 0x55555555u : 0xffffffffu;  // 0 * an unwritten inf is nan
-        __m512bh vv[C];
-        for (int c = 0; c < C; ++c)
-            vv[c] = (__m512bh)_mm512_maskz_loadu_epi16(keep, v + pair_v(2 * j, 16 * c, D));
+        __m512 v0[C], v1[C];
+        for (int c = 0; c < C; ++c) {
+            const __m512i vv = _mm512_maskz_loadu_epi16(keep, v + pair_v(2 * j, 16 * c, D));
+            v0[c] = _mm512_castsi512_ps(_mm512_slli_epi32(vv, 16));
+            v1[c] = _mm512_castsi512_ps(_mm512_and_si512(vv, high));
+        }
         for (int t = 0; t < NT; ++t) {
-            const __m512bh w = (__m512bh)_mm512_set1_epi32(pg[t * pstride + j]);
-            for (int c = 0; c < C; ++c) a[t][c] = _mm512_dpbf16_ps(a[t][c], w, vv[c]);
+            const __m512 w0 = _mm512_set1_ps(pg[t * pstride + 2 * j]), w1 = _mm512_set1_ps(pg[t * pstride + 2 * j + 1]);
+            for (int c = 0; c < C; ++c) a[t][c] = _mm512_fmadd_ps(w1, v1[c], _mm512_fmadd_ps(w0, v0[c], a[t][c]));
         }
     }
     for (int t = 0; t < NT; ++t)
@@ -466,10 +473,9 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
     const int H = num_kv_heads * G;
     const size_t head_block = size_t(bs) * D, block = num_kv_heads * head_block;  // elements
     const int padded = (seq_len + 31) & ~31;  // whole position pairs of whole vectors
-    scores.resize(size_t(H) * padded + size_t(H) * padded / 2 + size_t(H) * D + 16);
-    float* s = scores.data();
-    uint32_t* pb = reinterpret_cast<uint32_t*>(s + size_t(H) * padded);  // [H][padded / 2] bf16 pairs
-    const uintptr_t acc_at = reinterpret_cast<uintptr_t>(pb + size_t(H) * padded / 2);
+    scores.resize(size_t(H) * padded + size_t(H) * D + 16);
+    float* s = scores.data();  // [H][padded]: the scores, then the probabilities (zeros past the end)
+    const uintptr_t acc_at = reinterpret_cast<uintptr_t>(s + size_t(H) * padded);
     float* acc = reinterpret_cast<float*>((acc_at + 63) & ~uintptr_t(63));  // [H][D], aligned
     alignas(64) uint32_t qp[kMaxHeads * D / 2];
     std::memcpy(qp, q, sizeof(uint16_t) * H * D);
@@ -511,12 +517,11 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
         const float max_score = _mm512_reduce_max_ps(m);
         const __m512 mx = _mm512_set1_ps(max_score);
         __m512 sum = _mm512_setzero_ps();
-        uint16_t* pg = reinterpret_cast<uint16_t*>(pb + size_t(g) * padded / 2);
         for (int p = 0; p < padded; p += 16) {  // zeros past the end: a pair's second may be past it
             const __mmask16 k = live(p);
             const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + p), mx)));
             sum = _mm512_add_ps(sum, e);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pg + p), (__m256i)_mm512_cvtneps_pbh(e));
+            _mm512_storeu_ps(sg + p, e);
         }
         const float total = _mm512_reduce_add_ps(sum);
         inv[g] = 1.f / total;
@@ -536,8 +541,8 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
             for (int g0 = h * G; g0 < (h + 1) * G; g0 += TG)
                 tile(std::min(TG, (h + 1) * G - g0), [&](auto nt) {
                     constexpr int NT = std::min(int(decltype(nt)::value), TG);
-                    pv_pairs<D, NT>(blk + h * head_block, (m + 1) / 2, m & 1, pb + size_t(g0) * padded / 2 + j * bs / 2,
-                                    padded / 2, acc + size_t(g0) * D);
+                    pv_pairs<D, NT>(blk + h * head_block, (m + 1) / 2, m & 1, s + size_t(g0) * padded + j * bs,
+                                    padded, acc + size_t(g0) * D);
                 });
         }
     }

@@ -1,6 +1,6 @@
 """benchmarks/attention_ab.py end to end against HEAD: the sources fetched from git are the tree's
 (on a clean tree), both builds bind, every case times both and their outputs agree exactly (the pair
-layout's to bf16 rounding of its probabilities)."""
+layout's to a bf16 ulp)."""
 import subprocess
 import tempfile
 from pathlib import Path
@@ -33,9 +33,9 @@ def test_runs_against_head_and_both_builds_agree():
         for kv in ("bf16", "int8"):
             base, ours, diff = ab.decode_case(kernels, kv, batch=3, context=40, layout="scattered", repeats=1)
             assert base > 0 and ours > 0 and diff == 0.0
-        if cpu_kernels.pairs_supported(ab.HEAD_DIM, ab.BLOCK, ab.HEADS):  # rows at HEAD, pairs here: P in bf16
+        if cpu_kernels.pairs_supported(ab.HEAD_DIM, ab.BLOCK, ab.HEADS):  # rows at HEAD, pairs here
             base, ours, diff = ab.decode_case(kernels, "pairs", batch=3, context=40, layout="scattered", repeats=1)
-            assert base > 0 and ours > 0 and 0.0 < diff < 2e-2
+            assert base > 0 and ours > 0 and diff < 1e-2
         if cpu_kernels.prompt_attention_supported(torch.bfloat16, 64):
             base, ours, diff = ab.prompt_case(kernels, tokens=40, repeats=1)
             assert base > 0 and ours > 0 and diff == 0.0

@@ -1,7 +1,7 @@
 """A bfloat16 pool in the pair layout (model/attention.py) through the engine, against the same
 model and pool kept in rows: every prompt pass reads its cached context through pairs_to_rows, so
-prompt logprobs and first tokens are the rows' bit for bit; decodes, whose P.V rounds probabilities
-to bfloat16, stay close; chunks, prefix-cache hits, swap and recompute read the same blocks; P/D
+prompt logprobs and first tokens are the rows' bit for bit; decodes (Q.K summed in another order:
+outputs within a bf16 ulp) stay close; chunks, prefix-cache hits, swap and recompute read the same blocks; P/D
 hand-offs travel in rows, so either layout hands off to the other.
 
 The int8 test's tiny random Llama (head_dim 64: the decode kernel's pair path) in bfloat16."""

@@ -1,7 +1,7 @@
 """The pair layout of a bfloat16 cache (attention.py): the C write and pairs_to_rows agree on where
-every value goes, and the decode kernel reads it in place to the row kernel's results (its P.V
-rounds the probabilities to bfloat16: ~1e-2) for every head dim, grouping, block size, window,
-soft-cap and slice of a long context, never reading the unwritten half of a last pair."""
+every value goes, and the decode kernel reads it in place to the row kernel's results (to a bf16
+ulp) for every head dim, grouping, block size, window, soft-cap and slice of a long context, never
+reading the unwritten half of a last pair."""
 from __future__ import annotations
 
 import pytest
@@ -81,8 +81,8 @@ def test_decode_over_pairs_agrees_with_rows(head_dim, heads, kv_heads, block_siz
     want = _decode(rows, tables, seq_lens, q, False, window, softcap)
     got = _decode(pairs, tables, seq_lens, q, True, window, softcap)
     assert got.isfinite().all()
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    assert (got - want).abs().max() > 0, "P in bfloat16 was expected to differ from the row kernel's float32"
+    # the same products and P.V sums; Q.K sums in another order, which may move an output by a bf16 ulp
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=8e-3)
 
 
 @needs_pairs
