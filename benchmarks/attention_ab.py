@@ -78,8 +78,8 @@ def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: 
     total = batch * blocks if layout == "scattered" else blocks
     x = torch.randn(LAYERS, 2, total, BLOCK, KV_HEADS, HEAD_DIM) * 0.3
     cache = quantize_kv(x) if kv == "int8" else x.to(torch.bfloat16)
-    caches = [cache, torch.stack(rows_to_pairs(cache[:, 0], cache[:, 1]), dim=1) if kv == "pairs" else cache]
-    caches = [pool_copy(c) for c in caches]
+    pool = pool_copy(cache)
+    caches = [pool, pool_copy(torch.stack(rows_to_pairs(cache[:, 0], cache[:, 1]), dim=1)) if kv == "pairs" else pool]
     if layout == "scattered":
         tables = torch.randperm(total).to(torch.int32).view(batch, blocks).contiguous()
     else:

@@ -26,7 +26,7 @@ from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.logits_processors import make_adjust
 from iterserve.executor.sampler import make_batch, prompt_logprobs, sample, verify_random_drafts
 from iterserve.heap import advise_huge_pages
-from iterserve.model.attention import pairs_to_rows, rows_to_pairs
+from iterserve.model.attention import in_pairs, pairs_to_rows, rows_to_pairs
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model import weight_cache
@@ -295,12 +295,9 @@ class ModelRunner:
         """A copy of these blocks on the CPU, [layers, 2, n, block_size, kv_heads, head_dim] in rows (an
         int8 pool's rows carry their scales: head_dim + 4)."""
         blocks = gather_blocks(self.kv_cache, block_ids).to("cpu")
-        if self._pairs():  # hand-offs travel in rows, whatever layout either pool keeps
+        if in_pairs(self.model.attention.pairs, self.kv_cache):  # hand-offs travel in rows, whatever the pools keep
             blocks = torch.stack(pairs_to_rows(blocks[:, 0], blocks[:, 1]), dim=1)
         return blocks
-
-    def _pairs(self) -> bool:
-        return self.model.attention.pairs and self.kv_cache.dtype == torch.bfloat16
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Fill these blocks from read_blocks' layout (another engine's, of the same model and block size)."""
@@ -311,7 +308,7 @@ class ModelRunner:
         if tuple(blocks.shape) != expected:
             raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} do not fit this pool's {expected}")
         blocks = blocks.to(self.device, self.kv_cache.dtype)
-        if self._pairs():
+        if in_pairs(self.model.attention.pairs, self.kv_cache):
             blocks = torch.stack(rows_to_pairs(blocks[:, 0], blocks[:, 1]), dim=1)
         scatter_blocks(self.kv_cache, block_ids, blocks)
 

@@ -145,9 +145,10 @@ def _kv_rows(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.
     return (tok * num_kv_heads + torch.arange(num_kv_heads, device=blocks.device)[None, :, None]).view(-1)
 
 
-def in_pairs(plan: AttentionPlan, layer_cache: torch.Tensor) -> bool:
-    """Whether this cache is in the pair layout: the plan's bfloat16 ones are, int8 ones never."""
-    return plan.pairs and layer_cache.dtype == torch.bfloat16
+def in_pairs(pairs: bool, cache: torch.Tensor) -> bool:
+    """Whether a cache is in the pair layout, where its backend keeps `pairs`: bfloat16 ones are, int8
+    ones never."""
+    return pairs and cache.dtype == torch.bfloat16
 
 
 def pairs_to_rows(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,7 +190,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cac
                     plan: AttentionPlan, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] (this step's, rope applied) -> out [T, H, D]. window: a query sees
     only the last `window` positions (0: all); softcap: scores = softcap * tanh(scores / softcap) (0: off)."""
-    write_kv(layer_cache, k, v, plan.slot_mapping, plan.kernels, in_pairs(plan, layer_cache))
+    write_kv(layer_cache, k, v, plan.slot_mapping, plan.kernels, in_pairs(plan.pairs, layer_cache))
     if plan.decode_all:
         return _decode(q, layer_cache, plan, scale, window, softcap)
     out = torch.empty_like(q)
@@ -211,7 +212,7 @@ def _decode(q: torch.Tensor, layer_cache: torch.Tensor, plan: AttentionPlan, sca
     if plan.decode_tables is not None:
         return cpu_kernels.decode_attention(q, layer_cache[0], layer_cache[1], plan.decode_tables, plan.decode_seq_lens,
                                             scale, plan.num_threads, window=window, softcap=softcap,
-                                            pairs=in_pairs(plan, layer_cache))
+                                            pairs=in_pairs(plan.pairs, layer_cache))
     b, h, d = q.shape
     hkv, width = layer_cache.shape[3:]  # width: d, or d + 4 for an int8 cache's rows with their scales
     g = h // hkv
@@ -250,7 +251,7 @@ def _window_bias(plan: AttentionPlan, window: int) -> torch.Tensor:
 def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor,
             p: PromptSeq, scale: float, plan: AttentionPlan, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     if not p.fresh or layer_cache.dtype != q.dtype:
-        k, v = _cached_context(layer_cache, p, q.dtype, in_pairs(plan, layer_cache))
+        k, v = _cached_context(layer_cache, p, q.dtype, in_pairs(plan.pairs, layer_cache))
     if plan.kernels and not softcap and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
         return cpu_kernels.prompt_attention(q, k, v, scale, plan.num_threads, window)  # causal, bottom-right aligned
     if window or softcap:

@@ -270,6 +270,48 @@ template <int D> struct DotI16 {
 };
 #endif
 
+// Each head's scores s[g][0 .. seq_len) -> exp(score - the head's max), zeros after them up to padded (a
+// multiple of 16); inv[g] = 1 / their sum. With `part` (see attend_seq) each head's max and sum too.
+template <int D>
+inline void softmax_heads(float* s, int H, int padded, int seq_len, float* inv, float* part) {
+    auto live = [&](int p) {  // which of positions p .. p + 15 are in the sequence
+        return p >= seq_len ? __mmask16(0) : seq_len - p >= 16 ? __mmask16(0xffff) : __mmask16((1u << (seq_len - p)) - 1u);
+    };
+    for (int g = 0; g < H; ++g) {
+        float* sg = s + size_t(g) * padded;
+        __m512 m = _mm512_set1_ps(-INFINITY);
+        for (int p = 0; p < seq_len; p += 16) m = _mm512_mask_max_ps(m, live(p), m, _mm512_loadu_ps(sg + p));
+        const float max_score = _mm512_reduce_max_ps(m);
+        const __m512 mx = _mm512_set1_ps(max_score);
+        __m512 sum = _mm512_setzero_ps();
+        for (int p = 0; p < padded; p += 16) {
+            const __mmask16 k = live(p);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + p), mx)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_storeu_ps(sg + p, e);
+        }
+        const float total = _mm512_reduce_add_ps(sum);
+        inv[g] = 1.f / total;
+        if (part) {
+            part[size_t(H) * D + 2 * g] = max_score;
+            part[size_t(H) * D + 2 * g + 1] = total;
+        }
+    }
+}
+
+// Each head's P.V sums acc[g] (64-byte aligned) times inv[g]: to out in T, or with `part` to it in float32.
+template <int D, typename T>
+inline void store_heads(const float* acc, const float* inv, int H, T* out, float* part) {
+    for (int g = 0; g < H; ++g)
+        for (int c = 0; c < D / 16; ++c) {
+            const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc + g * D + 16 * c), _mm512_set1_ps(inv[g]));
+            if (part)
+                _mm512_storeu_ps(part + g * D + 16 * c, o);
+            else
+                store16(out + g * D + 16 * c, o);
+        }
+}
+
 // One sequence (or one slice of it), all heads. The K pass reads each cache slot (all kv heads of one
 // position) whole and in order and scores 16 positions per vector; the P.V pass goes block by block
 // (below). With `part` (a slice of a split context, see decode_simd) the result goes there in
@@ -332,37 +374,14 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
     }
     if (skip > 0 || softcap > 0.f)
         for (int g = 0; g < H; ++g) cap_and_mask(s + size_t(g) * padded, seq_len, skip, softcap);
-    const __mmask16 tail = __mmask16((1u << (seq_len & 15)) - 1u);
     float inv[kMaxHeads];
-    for (int g = 0; g < H; ++g) {
-        float* sg = s + size_t(g) * padded;
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int p = 0; p < seq_len; p += 16)
-            m = _mm512_max_ps(m, seq_len - p >= 16 ? _mm512_loadu_ps(sg + p)
-                                                   : _mm512_mask_loadu_ps(m, tail, sg + p));
-        const float max_score = _mm512_reduce_max_ps(m);
-        const __m512 mx = _mm512_set1_ps(max_score);
-        __m512 sum = _mm512_setzero_ps();
-        for (int p = 0; p < seq_len; p += 16) {
-            const __mmask16 k = seq_len - p >= 16 ? __mmask16(0xffff) : tail;
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + p), mx));
-            _mm512_mask_storeu_ps(sg + p, k, e);
-            sum = _mm512_mask_add_ps(sum, k, sum, e);
-        }
-        const float total = _mm512_reduce_add_ps(sum);
-        inv[g] = 1.f / total;
-        if (part) {
-            part[size_t(H) * D + 2 * g] = max_score;
-            part[size_t(H) * D + 2 * g + 1] = total;
-        }
-    }
+    softmax_heads<D>(s, H, padded, seq_len, inv, part);
     // P.V block by block: every kv head's tiles of query heads (accumulators in registers within a
     // block; all of SmolLM's 9 x 4 would not fit in 32) sweep a V block while it is in cache, so
     // reading V overlaps the arithmetic of every head. Sweeping one kv head over the whole context
     // at a time left the second and third sweeps without memory traffic (measured: 10-13% slower
     // kernel). The first tile of each block prefetches rows 16 positions ahead.
     constexpr int TG = 16 / C;  // 4 heads at D=64, 2 at D=128: 16 accumulators
-    alignas(64) float tmp[16];
     alignas(64) float acc_mem[kMaxHeads * D];  // the tiles' accumulators between blocks
     for (int i = 0; i < H * D; ++i) acc_mem[i] = 0.f;
     for (int j = 0; j < num_blocks; ++j) {
@@ -391,16 +410,7 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
             }
         }
     }
-    for (int g = 0; g < H; ++g)
-        for (int c = 0; c < C; ++c) {
-            const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc_mem + g * D + 16 * c), _mm512_set1_ps(inv[g]));
-            if (part) {
-                _mm512_storeu_ps(part + g * D + 16 * c, o);
-                continue;
-            }
-            _mm512_store_ps(tmp, o);
-            for (int d = 0; d < 16; ++d) from_f32(tmp[d], out + g * D + 16 * c + d);
-        }
+    store_heads<D>(acc_mem, inv, H, out, part);
 }
 
 #if defined(__AVX512BF16__)
@@ -506,30 +516,8 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
     }
     if (skip > 0 || softcap > 0.f)
         for (int g = 0; g < H; ++g) cap_and_mask(s + size_t(g) * padded, seq_len, skip, softcap);
-    auto live = [&](int p) {  // which of positions p .. p + 15 are in the sequence
-        return p >= seq_len ? __mmask16(0) : seq_len - p >= 16 ? __mmask16(0xffff) : __mmask16((1u << (seq_len - p)) - 1u);
-    };
     float inv[kMaxHeads];
-    for (int g = 0; g < H; ++g) {
-        float* sg = s + size_t(g) * padded;
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int p = 0; p < seq_len; p += 16) m = _mm512_mask_max_ps(m, live(p), m, _mm512_loadu_ps(sg + p));
-        const float max_score = _mm512_reduce_max_ps(m);
-        const __m512 mx = _mm512_set1_ps(max_score);
-        __m512 sum = _mm512_setzero_ps();
-        for (int p = 0; p < padded; p += 16) {  // zeros past the end: a pair's second may be past it
-            const __mmask16 k = live(p);
-            const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + p), mx)));
-            sum = _mm512_add_ps(sum, e);
-            _mm512_storeu_ps(sg + p, e);
-        }
-        const float total = _mm512_reduce_add_ps(sum);
-        inv[g] = 1.f / total;
-        if (part) {
-            part[size_t(H) * D + 2 * g] = max_score;
-            part[size_t(H) * D + 2 * g + 1] = total;
-        }
-    }
+    softmax_heads<D>(s, H, padded, seq_len, inv, part);  // zeros past the end: a pair's second may be past it
     constexpr int TG = 16 / (D / 16);  // query heads a tile: 16 accumulators
     std::fill(acc, acc + size_t(H) * D, 0.f);
     for (int j = 0; j < num_blocks; ++j) {
@@ -546,14 +534,7 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
                 });
         }
     }
-    for (int g = 0; g < H; ++g)
-        for (int c = 0; c < D / 16; ++c) {
-            const __m512 o = _mm512_mul_ps(_mm512_load_ps(acc + g * D + 16 * c), _mm512_set1_ps(inv[g]));
-            if (part)
-                _mm512_storeu_ps(part + g * D + 16 * c, o);
-            else
-                store16(out + g * D + 16 * c, o);
-        }
+    store_heads<D>(acc, inv, H, out, part);
 }
 #endif
 #elif defined(ITERSERVE_SIMD_DECODE)

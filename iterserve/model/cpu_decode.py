@@ -122,7 +122,7 @@ class DecodeLayers:
         empty = lambda n: torch.empty(m, n, dtype=self.dtype)  # noqa: E731
         delta, h, qkv, attn = empty(cfg.hidden_size), empty(cfg.hidden_size), empty(q_size + 2 * kv_size), empty(q_size)
         gate_up, act = empty(2 * self.intermediate), empty(self.intermediate)
-        int8, pairs = kv_cache.dtype == torch.int8, in_pairs(plan, kv_cache)
+        int8, pairs = kv_cache.dtype == torch.int8, in_pairs(plan.pairs, kv_cache)
         f, size = self.fns, kv_cache.element_size()
         tables = plan.decode_tables
         step = _Step(f["rms_norm"], f["linear"], f["rope"], None if int8 or pairs else f["write_kv"],
