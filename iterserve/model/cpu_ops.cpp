@@ -203,6 +203,11 @@ inline void write_kv_pairs(const uint16_t* k, int64_t k_stride, const uint16_t* 
             __builtin_prefetch(v_cache + b * block + h * head_block + (i / 2) * 2 * head_dim, 1, 3);
         }
     }
+#if defined(__AVX512BW__)  // head_dim a multiple of 32, as the layout's reader asks (pairs_supported)
+    // a scatter for K's pairs (16 of them a vector), masked stores for V's every other half-word
+    const __m512i lines = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(2 * block_size));
+#endif
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t slot = slot_mapping[r];
         if (slot < 0) continue;
@@ -212,24 +217,20 @@ inline void write_kv_pairs(const uint16_t* k, int64_t k_stride, const uint16_t* 
             uint16_t* kb = k_cache + b * block + h * head_block + 2 * i;  // dims (2d, 2d+1) at [d][i]
             uint16_t* vb = v_cache + b * block + h * head_block + (i / 2) * 2 * head_dim;  // dim d at [d][i & 1]
 #if defined(__AVX512BW__)
-            if (head_dim % 32 == 0) {  // a scatter for K's pairs, masked stores for V's every other half-word
-                const __m512i lines = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                                           14, 15), _mm512_set1_epi32(2 * block_size));
-                const __mmask32 half = (i & 1) ? 0xaaaaaaaau : 0x55555555u;
-                for (int d = 0; d < head_dim; d += 32) {
-                    _mm512_i32scatter_epi32(kb + d * block_size, lines, _mm512_loadu_si512(kr + d), 2);
-                    for (int c = d; c < d + 32; c += 16) {
-                        const __m256i row = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + c));
-                        __m512i wide = _mm512_cvtepu16_epi32(row);
-                        if (i & 1) wide = _mm512_slli_epi32(wide, 16);
-                        _mm512_mask_storeu_epi16(vb + 2 * c, half, wide);
-                    }
+            const __mmask32 half = (i & 1) ? 0xaaaaaaaau : 0x55555555u;
+            for (int d = 0; d < head_dim; d += 32) {
+                _mm512_i32scatter_epi32(kb + d * block_size, lines, _mm512_loadu_si512(kr + d), 2);
+                for (int c = d; c < d + 32; c += 16) {
+                    const __m256i row = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + c));
+                    __m512i wide = _mm512_cvtepu16_epi32(row);
+                    if (i & 1) wide = _mm512_slli_epi32(wide, 16);
+                    _mm512_mask_storeu_epi16(vb + 2 * c, half, wide);
                 }
-                continue;
             }
-#endif
+#else
             for (int d = 0; d < head_dim / 2; ++d) std::memcpy(kb + d * 2 * block_size, kr + 2 * d, 4);
             for (int d = 0; d < head_dim; ++d) vb[2 * d + (i & 1)] = vr[d];
+#endif
         }
     }
 }
