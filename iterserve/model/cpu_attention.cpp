@@ -542,11 +542,7 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
 // Without bf16 dot products, a bf16 (or int8) cache's K rows are widened once per 8 positions and kv
 // head into `wide` (in L1) for all G query heads, as AVX-512 does for int8 only.
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline __m256 load8(const int8_t* p) {
+inline __m256 load8(const int8_t* p) {  // beside cpu_common.h's float32 and bf16 ones
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 

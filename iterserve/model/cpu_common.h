@@ -1,5 +1,5 @@
 // Helpers shared by the CPU kernels (cpu_attention.cpp, cpu_ops.cpp): bfloat16 <-> float32 rounded
-// as torch rounds, and the AVX-512 loads, stores and the vector exps they use.
+// as torch rounds, and the AVX-512 and AVX2 loads, stores and the vector exps they use.
 #pragma once
 
 #include <cmath>
@@ -73,6 +73,35 @@ inline __m512 exp16(__m512 x) {  // 2^n * 2^f with |f| <= 1/2; degree-6 Taylor o
     __m512 p = _mm512_set1_ps(kExp2Taylor[0]);
     for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Taylor[i]));
     return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX2__)
+// The same on 8 lanes (the AVX2 paths).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline __m256i bf16_bits8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(uint16_t* p, __m256 x) {
+    const __m256i bits = bf16_bits8(x);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);  // lanes 0-3, 4-7
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+template <typename T> inline __m256 round_trip8(__m256 x);
+template <> inline __m256 round_trip8<float>(__m256 x) { return x; }
+template <> inline __m256 round_trip8<uint16_t>(__m256 x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16));
 }
 #endif
 

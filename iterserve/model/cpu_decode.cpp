@@ -51,13 +51,15 @@ struct DecodeStep {
     RmsNormFn rms_norm;
     LinearFn linear;
     RopeFn rope;
-    WriteKvFn write_kv;  // one of these three: the others are null
+    WriteKvFn write_kv;  // one of these four: the others are null
     WriteKvInt8Fn write_kv_int8;
-    WriteKvPairsFn write_kv_pairs;  // a bfloat16 cache in the pair layout, read by the attention's dtype code 3
+    WriteKvPairsFn write_kv_pairs;  // a bfloat16 cache in the pair layout
+    WriteKvFn write_kv_bf16;  // float32 rows into a bfloat16 cache (bf16 storage): strides and width in elements
     AttentionFn attention;
     SiluMulFn silu_mul;
     int dtype;         // the arithmetic's, as the kernels code it: 0 float32, 1 bfloat16
     int linear_dtype;  // cpu_linear.cpp's code for the panels
+    int attention_dtype;  // cpu_attention.cpp's code for q over this cache
     int num_threads;
     int heads, kv_heads, head_dim, block_size;
     int64_t rows, hidden, intermediate;
@@ -107,6 +109,9 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
             if (s->write_kv_pairs)
                 s->write_kv_pairs(k, qkv_size, v, qkv_size, k_cache, k_cache + s->v_offset, s->slot_mapping, m,
                                   s->kv_heads, s->head_dim, s->block_size);
+            else if (s->write_kv_bf16)
+                s->write_kv_bf16(k, qkv_size, v, qkv_size, k_cache, k_cache + s->v_offset, s->slot_mapping, m,
+                                 kv_size);
             else if (s->write_kv_int8)
                 s->write_kv_int8(s->dtype, k, qkv_size, v, qkv_size, k_cache, k_cache + s->v_offset, s->slot_mapping,
                                  m, s->kv_heads, s->head_dim);
@@ -115,8 +120,7 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
                             m, kv_size * esize);
         });
         timed(t, kAttention, [&] {
-            const int attention_dtype = s->write_kv_pairs ? 3 : s->dtype;
-            rc |= s->attention(attention_dtype, qkv, qkv_size, k_cache, k_cache + s->v_offset, s->block_tables,
+            rc |= s->attention(s->attention_dtype, qkv, qkv_size, k_cache, k_cache + s->v_offset, s->block_tables,
                                s->table_stride, s->seq_lens, s->attn, int(m), s->heads, s->kv_heads, s->head_dim,
                                s->block_size, s->scale, s->num_threads, l.window, s->softcap);
         });

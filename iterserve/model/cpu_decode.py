@@ -8,7 +8,7 @@ in C: the results are bit for bit the Python loop's (tests/model/test_cpu_decode
 
 It takes the layers the Python loop runs with the C kernels and nothing else: pre-norm, SiLU, no
 q/k norms, no output norms, no experts, every linear in the C kernel's panels, the K/V cache in the
-arithmetic's dtype or int8, a decode-only step through the paged decode kernel, no tensor
+arithmetic's dtype, in bfloat16 under float32 arithmetic (bf16 storage) or in int8, a decode-only step through the paged decode kernel, no tensor
 parallelism. DecodeLayers.build says None for anything else, and the model keeps its Python loop.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from iterserve.model import cpu_kernels
 from iterserve.model.attention import in_pairs
-from iterserve.model.cpu_kernels import DTYPES, FLAGS, MIXED, _build, _f32, _i32, _i64, _p
+from iterserve.model.cpu_kernels import DTYPES, FLAGS, MIXED, PAIRS, _build, _f32, _i32, _i64, _p
 from iterserve.model.quant import PanelWeight
 
 SOURCE = cpu_kernels.DECODE_SOURCE
@@ -35,9 +35,9 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = ([(name, _p) for name in ("rms_norm", "linear", "rope", "write_kv", "write_kv_int8", "write_kv_pairs",
-                                         "attention", "silu_mul")]
-                + [(name, _i32) for name in ("dtype", "linear_dtype", "num_threads", "heads", "kv_heads", "head_dim",
-                                             "block_size")]
+                                         "write_kv_bf16", "attention", "silu_mul")]
+                + [(name, _i32) for name in ("dtype", "linear_dtype", "attention_dtype", "num_threads", "heads",
+                                             "kv_heads", "head_dim", "block_size")]
                 + [(name, _i64) for name in ("rows", "hidden", "intermediate")]
                 + [(name, _f32) for name in ("eps", "scale", "softcap")]
                 + [("kv_cache", _p), ("layer_bytes", _i64), ("v_offset", _i64), ("positions", _p),
@@ -75,6 +75,7 @@ class DecodeLayers:
         self.fns = {"rms_norm": _address(ops.rms_norm), "linear": _address(cpu_kernels.linear_kernel()),
                     "rope": _address(ops.rope), "silu_mul": _address(ops.silu_mul), "write_kv": _address(ops.write_kv),
                     "write_kv_int8": _address(ops.write_kv_int8), "write_kv_pairs": _address(ops.write_kv_pairs),
+                    "write_kv_bf16": _address(ops.write_kv_bf16),
                     "attention": _address(cpu_kernels.decode_attention_kernel()),
                     "attention_int8": _address(cpu_kernels.decode_attention_int8_kernel())}
 
@@ -91,9 +92,8 @@ class DecodeLayers:
         weights = [w for l in layers for w in (l.qkv, l.o, l.gate_up, l.down)]
         if not all(isinstance(w, PanelWeight) for w in weights):
             return None
-        codes = {cpu_kernels.linear_code(model.dtype, w.panels) for w in weights}
-        if len(codes) != 1 or codes == {MIXED}:
-            return None  # one layout, in the arithmetic's dtype or int8 (not bf16-storage's mixed panels)
+        if len({cpu_kernels.linear_code(model.dtype, w.panels) for w in weights}) != 1:
+            return None  # one layout: the arithmetic's dtype, bf16 storage's under float32, or int8
         kernel = _kernel()
         if kernel is None or cpu_kernels.decode_attention_kernel() is None or \
                 cpu_kernels.decode_attention_int8_kernel() is None:
@@ -112,7 +112,7 @@ class DecodeLayers:
     def runs(self, plan, kv_cache: torch.Tensor) -> bool:
         """Whether this step is one it runs: decode rows only, through the paged kernel, a cache it reads."""
         return plan.decode_all and plan.decode_tables is not None and kv_cache.is_contiguous() and \
-            kv_cache.dtype in (self.dtype, torch.int8)
+            kv_cache.dtype in (self.dtype, torch.int8, torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,12 +123,16 @@ class DecodeLayers:
         delta, h, qkv, attn = empty(cfg.hidden_size), empty(cfg.hidden_size), empty(q_size + 2 * kv_size), empty(q_size)
         gate_up, act = empty(2 * self.intermediate), empty(self.intermediate)
         int8, pairs = kv_cache.dtype == torch.int8, in_pairs(plan.pairs, kv_cache)
+        mixed = kv_cache.dtype != self.dtype and not int8  # bf16 storage: float32 rows, a bfloat16 cache
         f, size = self.fns, kv_cache.element_size()
         tables = plan.decode_tables
-        step = _Step(f["rms_norm"], f["linear"], f["rope"], None if int8 or pairs else f["write_kv"],
-                     f["write_kv_int8"] if int8 else None, f["write_kv_pairs"] if pairs else None,
-                     f["attention_int8" if int8 else "attention"], f["silu_mul"],
-                     DTYPES[self.dtype], self.linear_dtype, plan.num_threads, cfg.num_heads, cfg.num_kv_heads,
+        write = "write_kv_int8" if int8 else "write_kv_pairs" if pairs else "write_kv_bf16" if mixed else "write_kv"
+        step = _Step(f["rms_norm"], f["linear"], f["rope"],
+                     *(f[name] if name == write else None
+                       for name in ("write_kv", "write_kv_int8", "write_kv_pairs", "write_kv_bf16")),
+                     f["attention_int8" if int8 else "attention"], f["silu_mul"], DTYPES[self.dtype], self.linear_dtype,
+                     PAIRS if pairs else MIXED if mixed else DTYPES[self.dtype], plan.num_threads, cfg.num_heads,
+                     cfg.num_kv_heads,
                      cfg.head_dim, plan.block_size, m, cfg.hidden_size, self.intermediate, cfg.rms_norm_eps,
                      self.model.scale, cfg.attn_logit_softcap, kv_cache.data_ptr(), kv_cache.stride(0) * size,
                      kv_cache.stride(1) * size, positions.data_ptr(), plan.slot_mapping.data_ptr(), tables.data_ptr(),

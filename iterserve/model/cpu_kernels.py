@@ -227,7 +227,8 @@ class Ops:
 @functools.cache
 def elementwise_ops(extra_flags: tuple[str, ...] = ()) -> Ops | None:
     """The fused RMSNorm / rotary / silu-and-mul, argmax and K/V write (cpu_ops.cpp), or None.
-    extra_flags (tests): -mno-avx512f builds the portable loops."""
+    extra_flags (tests): -mno-avx512f builds the AVX2 loops where the CPU has AVX2, with -mno-avx2 too the
+    portable ones."""
     lib = _build(OPS_SOURCE, [*FLAGS, OPS_FLAG, *extra_flags])
     fns = (_bind(lib, "iterserve_rms_norm", [_i32, _p, _p, _p, _p, _i64, _i64, _f32]),
            _bind(lib, "iterserve_rope", [_i32, _p, _i64, _i64, _i32, _i32, _p, _p, _p]),
@@ -310,11 +311,11 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: to
                            cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, ops: Ops | None = None) -> torch.Tensor:
     """gate_up [T, 2n] (contiguous) -> silu(gate) * up [T, n]."""
     t, n2 = gate_up.shape
     out = gate_up.new_empty(t, n2 // 2)
-    elementwise_ops().silu_mul(DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t, n2 // 2)
+    (ops or elementwise_ops()).silu_mul(DTYPES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), t, n2 // 2)
     return out
 
 

@@ -269,21 +269,6 @@ void linear_int8(const T* x, int64_t ldx, const int8_t* panels, const T* bias, T
 constexpr int kRows = 6;  // rows per register tile (see tile below)
 constexpr int kWidenTiles = 8;  // widen_panel from this many tiles (M > 42), where it was measured to pay
 
-inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 widen8(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(uint16_t* p, __m256 v) {  // from_f32 on 8 lanes, as cpu_common.h's bf16_bits does on 16
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-    const __m256i bits = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);  // lanes 0-3, 4-7
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-
 // As the AVX-512 tile, over 8-lane vectors: V of them, the columns c0 .. c0 + 8V of the panel (w, y and
 // bias start at c0; `valid` counts from there). Columns past the matrix's N are summed too (the
 // padding is zeros) and only the valid ones stored.
@@ -301,7 +286,7 @@ inline void tile_columns(const float* x, int64_t ldx, const W* w, int64_t K, T* 
             _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch + b, _MM_HINT_T0);
         __m256 wv[V];
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) wv[v] = widen8(wk + 8 * v);
+        for (int v = 0; v < V; ++v) wv[v] = load8(wk + 8 * v);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
             const __m256 xb = _mm256_broadcast_ss(Packed ? x + k * R + r : x + r * ldx + k);

@@ -108,6 +108,15 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n) {
             const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(_mm512_set1_ps(1.f), neg, e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
             store16(o + i, _mm512_mul_ps(round_trip16<T>(_mm512_mul_ps(a, sig)), load16(u + i)));
         }
+#elif defined(__AVX2__) && defined(__FMA__)  // the loop below does not vectorize: 8 lanes by hand
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 a = load8(g + i);
+            const __m256 neg = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 e = exp8(_mm256_or_ps(a, _mm256_set1_ps(-0.f)));  // e^-|a|
+            const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+            store8(o + i, _mm256_mul_ps(round_trip8<T>(_mm256_mul_ps(a, sig)), load8(u + i)));
+        }
 #endif
         for (; i < n; ++i) {
             const float a = to_f32(g[i]);
@@ -146,6 +155,24 @@ void argmax_rows(const T* x, int64_t rows, int64_t cols, int64_t* out) {
         _mm512_storeu_ps(lanes, best16);
         _mm512_storeu_si512(at, at16);
         nan[0] = nan16 != 0;
+#elif defined(__AVX2__)  // the same 16 lanes as two 8-lane halves
+        __m256 best8[2] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)}, nan8 = _mm256_setzero_ps();
+        __m256i at8[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i idx[2] = {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)};
+        for (; c + 16 <= cols; c += 16)
+            for (int h = 0; h < 2; ++h) {
+                const __m256 v = load8(xr + c + 8 * h);
+                const __m256 gt = _mm256_cmp_ps(v, best8[h], _CMP_GT_OQ);
+                best8[h] = _mm256_blendv_ps(best8[h], v, gt);
+                at8[h] = _mm256_blendv_epi8(at8[h], idx[h], _mm256_castps_si256(gt));
+                nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                idx[h] = _mm256_add_epi32(idx[h], _mm256_set1_epi32(16));
+            }
+        for (int h = 0; h < 2; ++h) {
+            _mm256_storeu_ps(lanes + 8 * h, best8[h]);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + 8 * h), at8[h]);
+        }
+        nan[0] = _mm256_movemask_ps(nan8) != 0;
 #endif
         for (; c + 16 <= cols; c += 16)
             for (int k = 0; k < 16; ++k) {

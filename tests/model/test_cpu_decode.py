@@ -19,16 +19,19 @@ PROMPTS = [5, 9, 14]  # three sequences, each in its own blocks
 TABLES = [list(range(16 * i, 16 * i + 16)) for i in range(len(PROMPTS))]
 
 
-def model_of(path, dtype: torch.dtype, quantization: str | None = None) -> LlamaModel:
-    arch = load_model_arch(str(path))
-    return LlamaModel(arch, load_weights(str(path), arch, dtype), BS, dtype=dtype, quantization=quantization)
+def model_of(path, dtype: str, quantization: str | None = None) -> LlamaModel:
+    """dtype "bf16-storage": bfloat16 weights under float32 arithmetic."""
+    arch, storage = load_model_arch(str(path)), torch.bfloat16 if dtype == "bf16-storage" else getattr(torch, dtype)
+    return LlamaModel(arch, load_weights(str(path), arch, storage), BS, quantization=quantization,
+                      dtype=torch.float32 if dtype == "bf16-storage" else storage)
 
 
 def empty_cache(model: LlamaModel, kv: str) -> torch.Tensor:
+    """kv: "auto" (the model's dtype), "bfloat16" (bf16 storage's cache) or "int8"."""
     cfg = model.cfg
     width = cfg.head_dim + (SCALE_BYTES if kv == "int8" else 0)
     return torch.zeros(cfg.num_layers, 2, 16 * len(PROMPTS), BS, cfg.num_kv_heads, width,
-                       dtype=torch.int8 if kv == "int8" else model.dtype)
+                       dtype=model.dtype if kv == "auto" else getattr(torch, kv))
 
 
 W8A8 = pytest.param("bfloat16", "auto", "w8a8", marks=needs_int8)
@@ -37,11 +40,12 @@ W8A8 = pytest.param("bfloat16", "auto", "w8a8", marks=needs_int8)
 @needs_kernels
 @pytest.mark.parametrize("family", ["llama", "llama3.2", "mistral", "qwen2", "granite", "phi3"])
 @pytest.mark.parametrize("dtype,kv,quantization", [("float32", "auto", None), ("bfloat16", "auto", None),
-                                                   ("bfloat16", "int8", None), W8A8])
+                                                   ("bf16-storage", "bfloat16", None), ("bfloat16", "int8", None),
+                                                   ("bf16-storage", "int8", None), W8A8])
 def test_decode_steps_in_c_give_the_python_loops_logits_and_cache(tmp_path, family, dtype, kv, quantization,
                                                                   monkeypatch):
     build_checkpoint(tmp_path, family)
-    model = model_of(tmp_path, getattr(torch, dtype), quantization)
+    model = model_of(tmp_path, dtype, quantization)
     if model.decode_layers is None:
         assert dtype == "bfloat16" and cpu_kernels.cpu_has_bf16() and not cpu_kernels.linear_pairs_supported()
         pytest.skip("bfloat16 weights stay oneDNN's on this CPU")
@@ -73,7 +77,7 @@ def test_decode_steps_in_c_give_the_python_loops_logits_and_cache(tmp_path, fami
 @needs_kernels
 def test_a_step_with_prompt_rows_runs_the_python_loop(tmp_path, monkeypatch):
     build_checkpoint(tmp_path, "llama")
-    model = model_of(tmp_path, torch.float32)
+    model = model_of(tmp_path, "float32")
     assert model.decode_layers is not None
     monkeypatch.setattr(cpu_decode.DecodeLayers, "__call__", lambda *a: pytest.fail("a mixed step ran in C"))
     cache = empty_cache(model, "auto")
@@ -89,24 +93,20 @@ def test_a_step_with_prompt_rows_runs_the_python_loop(tmp_path, monkeypatch):
 def test_layers_it_does_not_implement_keep_the_python_loop(tmp_path, family):
     """q/k norms, sandwich or post norms, experts: DecodeLayers.build declines, whatever the step."""
     build_checkpoint(tmp_path, family)
-    assert model_of(tmp_path, torch.float32).decode_layers is None
+    assert model_of(tmp_path, "float32").decode_layers is None
 
 
 @needs_kernels
-def test_bf16_storage_and_quantized_weights_keep_the_python_loop(tmp_path):
+def test_weight_only_quantized_layers_keep_the_python_loop(tmp_path):
     build_checkpoint(tmp_path, "llama")
-    arch = load_model_arch(str(tmp_path))
-    mixed = LlamaModel(arch, load_weights(str(tmp_path), arch, torch.bfloat16), BS, dtype=torch.float32)
-    assert mixed.decode_layers is None  # bf16 panels under float32 arithmetic
-    quantized = LlamaModel(arch, load_weights(str(tmp_path), arch), BS, quantization="int8")
-    assert quantized.decode_layers is None
+    assert model_of(tmp_path, "float32", "int8").decode_layers is None  # torch's int8 kernels, not panels
 
 
 @needs_kernels
 def test_timed_parts_add_up_each_layer_call_and_leave_the_step_bit_for_bit(tmp_path):
     """step_time.py --parts: the C loop's timers see every part of every layer, change no bit, stop."""
     build_checkpoint(tmp_path, "llama")
-    model = model_of(tmp_path, torch.float32)
+    model = model_of(tmp_path, "float32")
     cache = empty_cache(model, "auto")
     with torch.inference_mode():
         model.forward(torch.arange(3, 3 + sum(PROMPTS)), torch.cat([torch.arange(n) for n in PROMPTS]), cache,

@@ -116,18 +116,24 @@ def test_rope_in_place_matches_torch_and_leaves_v_alone(dtype, head_dim):
     assert torch.equal(got[:, n:], qkv[:, n:])
 
 
+# The vector loop this CPU takes (AVX-512 or AVX2), the AVX2 one where it has both, and the portable one.
+VECTOR_PATHS = pytest.mark.parametrize("flags", [(), ("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")],
+                                       ids=["native", "no-avx512", "portable"])
+
+
 @needs_ops
+@VECTOR_PATHS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 64])
-def test_silu_mul_matches_torch(dtype, rows):
+def test_silu_mul_matches_torch(dtype, rows, flags):
     torch.manual_seed(3)
-    gate_up = torch.randn(rows, 2 * 1544, dtype=dtype) * 4  # 16-wide vectors and a scalar tail
+    gate_up = torch.randn(rows, 2 * 1548, dtype=dtype) * 4  # 16- and 8-wide vectors, then a scalar tail
     gate, up = gate_up.chunk(2, dim=-1)
-    assert_close_to_rounding(cpu_kernels.silu_mul(gate_up), F.silu(gate) * up)
+    assert_close_to_rounding(cpu_kernels.silu_mul(gate_up, cpu_kernels.elementwise_ops(flags)), F.silu(gate) * up)
 
 
 @needs_ops
-@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)])  # the AVX-512 loop, and the portable one
+@VECTOR_PATHS
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_argmax_rows_takes_the_first_maximum_like_torch(dtype, flags):
     torch.manual_seed(4)
