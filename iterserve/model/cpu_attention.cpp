@@ -559,6 +559,12 @@ inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
+inline float hmax8(__m256 v) {
+    const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
 // See the AVX-512 attend_seq: the same passes, the same `part` output for a slice of a split context.
 template <int D, typename T, typename KV>
 void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t* table, int seq_len, T* out,
@@ -613,8 +619,12 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
     float inv[kMaxHeads];
     for (int g = 0; g < H; ++g) {
         float* sg = s + size_t(g) * padded;
-        float max_score = -INFINITY;
-        for (int p = 0; p < seq_len; ++p) max_score = sg[p] > max_score ? sg[p] : max_score;
+        __m256 top = _mm256_set1_ps(-INFINITY);  // gcc leaves a scalar max loop serial
+        for (int p = 0; p < seq_len; p += 8) {  // (x, top): a NaN score is passed over, as the scalar compare does
+            const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(seq_len - p), lane));
+            top = _mm256_max_ps(_mm256_blendv_ps(top, _mm256_loadu_ps(sg + p), valid), top);
+        }
+        const float max_score = hmax8(top);
         const __m256 mx = _mm256_set1_ps(max_score);
         __m256 sum = _mm256_setzero_ps();
         for (int p = 0; p < seq_len; p += 8) {  // lanes past seq_len are zeroed: padding, not positions
@@ -848,6 +858,180 @@ void prompt_attention(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define ITERSERVE_PROMPT_F32 1
+// The same causal attention in float32 on AVX2 (--dtype float32, and bf16 storage, whose queries are
+// float32 and whose K/V the cache's, widened): the flash structure above on 8 lanes, without bf16
+// dot products. Both products are the classic AVX2 register tile of 6 rows by 16 columns (12
+// accumulators, 2 vector loads and 6 broadcasts a step): Q.K against keys laid out transposed in
+// blocks of 16 ([D][16]), P.V against V rows; the online softmax runs a step of 64 keys at a time,
+// and a tile of queries stops at its last query's key where torch's flash kernel computes every key
+// block. Only where it was measured against torch's kernel (AVX2 CPUs, docs/performance.md): an
+// AVX-512 build keeps torch's.
+constexpr int kKeyBlock = 16;   // keys per laid-out block of K
+constexpr int kStepKeys = 64;   // keys per online-softmax step
+constexpr int kQueryRows = 16;  // query positions per work item
+constexpr int kRegRows = 6;     // query vectors per register tile
+
+// s[t][0 .. 16) = q_t . k_j for one block of 16 keys (kt: [D][16]), t < 6; s rows s_stride apart.
+template <int D>
+inline void qk_tile(const float* const* q, const float* kt, float* s, int s_stride) {
+    __m256 a[kRegRows][2];
+    for (int t = 0; t < kRegRows; ++t) a[t][0] = a[t][1] = _mm256_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+        const __m256 k0 = _mm256_loadu_ps(kt + d * kKeyBlock), k1 = _mm256_loadu_ps(kt + d * kKeyBlock + 8);
+        for (int t = 0; t < kRegRows; ++t) {
+            const __m256 x = _mm256_broadcast_ss(q[t] + d);
+            a[t][0] = _mm256_fmadd_ps(x, k0, a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(x, k1, a[t][1]);
+        }
+    }
+    for (int t = 0; t < kRegRows; ++t) {
+        _mm256_storeu_ps(s + t * s_stride, a[t][0]);
+        _mm256_storeu_ps(s + t * s_stride + 8, a[t][1]);
+    }
+}
+
+// acc[t][0 .. 16) += sum over n keys of p[t][j] v[j][0 .. 16), t < 6; p rows p_stride apart, acc and v
+// rows D apart.
+template <int D>
+inline void pv_tile(const float* p, int p_stride, const float* v, int n, float* acc) {
+    __m256 a[kRegRows][2];
+    for (int t = 0; t < kRegRows; ++t) {
+        a[t][0] = _mm256_loadu_ps(acc + t * D);
+        a[t][1] = _mm256_loadu_ps(acc + t * D + 8);
+    }
+    for (int j = 0; j < n; ++j) {
+        const __m256 v0 = _mm256_loadu_ps(v + j * D), v1 = _mm256_loadu_ps(v + j * D + 8);
+        for (int t = 0; t < kRegRows; ++t) {
+            const __m256 x = _mm256_broadcast_ss(p + t * p_stride + j);
+            a[t][0] = _mm256_fmadd_ps(x, v0, a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(x, v1, a[t][1]);
+        }
+    }
+    for (int t = 0; t < kRegRows; ++t) {
+        _mm256_storeu_ps(acc + t * D, a[t][0]);
+        _mm256_storeu_ps(acc + t * D + 8, a[t][1]);
+    }
+}
+
+// Turns query i's scores s[0 .. n) of a step starting at key k0 into probabilities in place (0 outside
+// [lo, hi): after its position, or before its window), carrying its running max m, sum l and acc row.
+template <int D>
+inline void softmax_step(float* s, int n, int lo, int hi, float scale, float& m, float& l, float* acc) {
+    if (hi <= lo) {  // no key of this step is visible to the query
+        std::fill(s, s + n, 0.f);
+        return;
+    }
+    const __m256 scl = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 top = ninf;
+    for (int j = 0; j < n; j += 8) {  // scaled scores, -inf where masked, and their max
+        const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(j));
+        const __m256 live = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(hi), key),
+                                                                 _mm256_cmpgt_epi32(key, _mm256_set1_epi32(lo - 1))));
+        const __m256 x = _mm256_blendv_ps(ninf, _mm256_mul_ps(_mm256_loadu_ps(s + j), scl), live);
+        top = _mm256_max_ps(top, x);
+        _mm256_storeu_ps(s + j, x);
+    }
+    const float m_new = std::max(m, hmax8(top));
+    const float corr = std::exp(m - m_new);  // 0 on the first step (m = -inf)
+    const __m256 mx = _mm256_set1_ps(m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) {
+        const __m256 x = _mm256_loadu_ps(s + j);
+        const __m256 pr = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), exp8(_mm256_sub_ps(x, mx)));
+        sum = _mm256_add_ps(sum, pr);
+        _mm256_storeu_ps(s + j, pr);
+    }
+    l = l * corr + hsum8(sum);
+    m = m_new;
+    if (corr != 1.f)
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), _mm256_set1_ps(corr)));
+}
+
+// One work item: query rows tile * 16 .. of kv head h's G query heads. kt: the head's K blocks, vp its
+// V rows (zero past S, up to whole blocks).
+template <int D>
+void prompt_tile_f32(const float* q, int64_t q_stride, float* out, int T, int S, int H, int G, int h, int tile,
+                     float scale, int window, const float* kt, const float* vp, std::vector<float>& buf) {
+    const int rows = std::min(kQueryRows, T - tile * kQueryRows), nq = rows * G;
+    const int np = (nq + kRegRows - 1) / kRegRows * kRegRows;  // whole register tiles: the last padded
+    buf.assign(size_t(np) * (D + kStepKeys) + 2 * size_t(np), 0.f);
+    float* acc = buf.data();                   // [np][D]
+    float* s = acc + size_t(np) * D;           // [np][kStepKeys]: a step's scores, then probabilities
+    float* m = s + size_t(np) * kStepKeys;     // running max per query vector
+    float* l = m + np;                         // running sum
+    std::fill(m, m + np, -INFINITY);
+    std::vector<const float*> qp(size_t(np), nullptr);
+    for (int i = 0; i < np; ++i) {  // padding rows repeat the last query: finite sums, never stored
+        const int r = std::min(i, nq - 1) / G, g = std::min(i, nq - 1) % G;
+        qp[i] = q + (tile * kQueryRows + r) * q_stride + (h * G + g) * D;
+    }
+    const int first_pos = S - T + tile * kQueryRows, end = first_pos + rows;  // the tile sees keys 0 .. end - 1
+    // Steps start at fixed multiples of kStepKeys, so a query's sums never depend on its tile or chunk.
+    const int start = (window > 0 ? std::max(0, first_pos - window + 1) : 0) / kStepKeys * kStepKeys;
+    for (int k0 = start; k0 < end; k0 += kStepKeys) {
+        const int n = (std::min(kStepKeys, end - k0) + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+        for (int i0 = 0; i0 < np; i0 += kRegRows)
+            for (int b = 0; b < n; b += kKeyBlock)
+                qk_tile<D>(qp.data() + i0, kt + size_t(k0 + b) * D, s + size_t(i0) * kStepKeys + b, kStepKeys);
+        for (int i = 0; i < np; ++i) {
+            const int pos = first_pos + std::min(i, nq - 1) / G;
+            const int lo = window > 0 ? std::max(0, pos - window + 1 - k0) : 0, hi = std::min(n, pos - k0 + 1);
+            softmax_step<D>(s + size_t(i) * kStepKeys, n, lo, hi, scale, m[i], l[i], acc + size_t(i) * D);
+        }
+        for (int i0 = 0; i0 < np; i0 += kRegRows)
+            for (int c = 0; c < D; c += 16)
+                pv_tile<D>(s + size_t(i0) * kStepKeys, kStepKeys, vp + size_t(k0) * D + c, n, acc + size_t(i0) * D + c);
+    }
+    for (int i = 0; i < nq; ++i) {
+        const int r = i / G, g = i % G;
+        float* o = out + (size_t(tile * kQueryRows + r) * H + h * G + g) * D;
+        const __m256 inv = _mm256_set1_ps(1.f / l[i]);
+        for (int d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(acc + size_t(i) * D + d), inv));
+    }
+}
+
+template <int D>
+void prompt_attention_f32(const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+                          int64_t v_stride, float* out, int T, int S, int H, int Hkv, float scale, int num_threads,
+                          int window) {
+    const int G = H / Hkv, nkb = (S + kKeyBlock - 1) / kKeyBlock, ntiles = (T + kQueryRows - 1) / kQueryRows;
+    static thread_local std::vector<float> kt_buf, vp_buf;  // reused across layers and steps
+    kt_buf.resize(size_t(Hkv) * nkb * kKeyBlock * D);
+    vp_buf.resize(size_t(Hkv) * nkb * kKeyBlock * D);
+    float* kt = kt_buf.data();  // [Hkv][blocks][D][16]: key j of a block, dim d at [d][j]
+    float* vp = vp_buf.data();  // [Hkv][blocks * 16][D]: V rows, zero past S
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int item = 0; item < Hkv * nkb; ++item) {  // lay K and V blocks out for the tiles
+            const int h = item / nkb, b = item % nkb;
+            float* kd = kt + size_t(item) * kKeyBlock * D;
+            float* vd = vp + size_t(item) * kKeyBlock * D;
+            for (int j = 0; j < kKeyBlock; ++j) {
+                const int pos = b * kKeyBlock + j;
+                const float* kr = k + pos * k_stride + h * D;
+                const float* vr = v + pos * v_stride + h * D;
+                for (int d = 0; d < D; ++d) {
+                    kd[d * kKeyBlock + j] = pos < S ? kr[d] : 0.f;
+                    vd[j * D + d] = pos < S ? vr[d] : 0.f;
+                }
+            }
+        }
+        std::vector<float> buf;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < Hkv * ntiles; ++item) {  // the longest (last) tiles first
+            const int tile = ntiles - 1 - item / Hkv, h = item % Hkv;
+            prompt_tile_f32<D>(q, q_stride, out, T, S, H, G, h, tile, scale, window,
+                               kt + size_t(h) * nkb * kKeyBlock * D, vp + size_t(h) * nkb * kKeyBlock * D, buf);
+        }
+    }
+}
+#endif
+
 #if defined(ITERSERVE_SIMD_DECODE)
 // A split context's slices merged, per head: each slice's output weighted by its exp-sum rescaled
 // to the common max (the flash-decoding reduction).
@@ -1036,6 +1220,8 @@ int iterserve_decode_pairs_supported(int head_dim, int block_size, int num_heads
 int iterserve_prompt_attention_supported(int dtype, int head_dim) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     return dtype == 1 && (head_dim == 64 || head_dim == 128);
+#elif defined(ITERSERVE_PROMPT_F32)
+    return dtype == 0 && (head_dim == 64 || head_dim == 128);
 #else
     (void)dtype, (void)head_dim;
     return 0;
@@ -1060,6 +1246,16 @@ int iterserve_prompt_attention(int dtype, const void* q, int64_t q_stride, const
     else
         prompt_attention<128>(qb, q_stride, kb, k_stride, vb, v_stride, ob, T, S, num_heads, num_kv_heads, scale, num_threads,
                               window);
+#elif defined(ITERSERVE_PROMPT_F32)
+    const auto* qf = static_cast<const float*>(q);
+    const auto *kf = static_cast<const float*>(k), *vf = static_cast<const float*>(v);
+    auto* of = static_cast<float*>(out);
+    if (head_dim == 64)
+        prompt_attention_f32<64>(qf, q_stride, kf, k_stride, vf, v_stride, of, T, S, num_heads, num_kv_heads, scale,
+                                 num_threads, window);
+    else
+        prompt_attention_f32<128>(qf, q_stride, kf, k_stride, vf, v_stride, of, T, S, num_heads, num_kv_heads, scale,
+                                  num_threads, window);
 #endif
     return 0;
 }

@@ -199,7 +199,8 @@ def decode_attention_int8_kernel(extra_flags: tuple[str, ...] = ()):
 
 @functools.cache
 def prompt_attention_kernel():
-    """The causal prompt-attention function (bf16, AVX-512 BF16 builds), or None."""
+    """The causal prompt-attention function (bf16 in AVX-512 BF16 builds, float32 in AVX2 builds without
+    AVX-512), or None."""
     lib = _build(SOURCE, FLAGS)
     fn = _bind(lib, "iterserve_prompt_attention", _PROMPT_ARGS, _i32)
     supported = _bind(lib, "iterserve_prompt_attention_supported", [_i32, _i32], _i32)

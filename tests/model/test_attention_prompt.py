@@ -1,4 +1,5 @@
-"""The C++ causal prompt-attention kernel (bf16) against float32 SDPA with a bottom-right causal mask."""
+"""The C++ causal prompt-attention kernel against float32 SDPA with a bottom-right causal mask: in bf16
+where the build has AVX-512 BF16, in float32 where it has AVX2 and no AVX-512."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,9 @@ import torch.nn.functional as F
 
 from iterserve.model import cpu_kernels
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.prompt_attention_supported(torch.bfloat16, 64),
-                                reason="needs a C++ compiler and AVX-512 BF16")
+DTYPE = next((d for d in (torch.bfloat16, torch.float32) if cpu_kernels.prompt_attention_supported(d, 64)), None)
+pytestmark = pytest.mark.skipif(DTYPE is None, reason="needs a C++ compiler and AVX-512 BF16, or AVX2 without AVX-512")
+TOL = {"atol": 1e-2, "rtol": 1e-2} if DTYPE == torch.bfloat16 else {"atol": 2e-5, "rtol": 1e-4}
 
 
 def reference(q, k, v, scale, window=0):
@@ -27,12 +29,12 @@ def test_causal_over_strided_qkv_rows(t, s, heads, kv_heads, head_dim):
     """q/k/v are views into one fused qkv row, as the model hands them over; t < s is a chunk whose
     earlier context is already in the cache."""
     torch.manual_seed(t * 1000 + s)
-    qkv = torch.randn(s, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16)
+    qkv = torch.randn(s, (heads + 2 * kv_heads) * head_dim, dtype=DTYPE)
     q = qkv[s - t:, : heads * head_dim].view(t, heads, head_dim)
     k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(s, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(s, kv_heads, head_dim)
     got = cpu_kernels.prompt_attention(q, k, v, head_dim ** -0.5, 2)
-    torch.testing.assert_close(got.float(), reference(q, k, v, head_dim ** -0.5), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.float(), reference(q, k, v, head_dim ** -0.5), **TOL)
     k2 = k.contiguous()  # rows of k and v a different distance apart (torch's rope returns a fresh q/k)
     assert torch.equal(cpu_kernels.prompt_attention(q, k2, v, head_dim ** -0.5, 2), got)
 
@@ -42,15 +44,15 @@ def test_causal_over_strided_qkv_rows(t, s, heads, kv_heads, head_dim):
 def test_sliding_window(t, s, window):
     """Keys `window` or more behind a query are masked; key blocks behind a whole tile's window skipped."""
     torch.manual_seed(t + s + window)
-    q, k, v = (torch.randn(n, h, 64, dtype=torch.bfloat16) for n, h in ((t, 8), (s, 2), (s, 2)))
+    q, k, v = (torch.randn(n, h, 64, dtype=DTYPE) for n, h in ((t, 8), (s, 2), (s, 2)))
     got = cpu_kernels.prompt_attention(q, k, v, 0.125, 2, window)
-    torch.testing.assert_close(got.float(), reference(q, k, v, 0.125, window), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got.float(), reference(q, k, v, 0.125, window), **TOL)
 
 
 def test_large_scores_keep_the_softmax_finite():
     """Running max and rescaling: scores of +-60 would overflow a plain exp."""
     torch.manual_seed(5)
-    q, k, v = (torch.randn(70, h, 64, dtype=torch.bfloat16) for h in (6, 2, 2))
+    q, k, v = (torch.randn(70, h, 64, dtype=DTYPE) for h in (6, 2, 2))
     q = q * 8
     got = cpu_kernels.prompt_attention(q, k, v, 1.0, 2)
     assert torch.isfinite(got.float()).all()
@@ -58,8 +60,9 @@ def test_large_scores_keep_the_softmax_finite():
 
 
 def test_what_it_does_not_run_is_said_so():
-    assert not cpu_kernels.prompt_attention_supported(torch.float32, 64)  # float32 prompts stay on SDPA
-    assert not cpu_kernels.prompt_attention_supported(torch.bfloat16, 8)
-    q = torch.zeros(3, 2, 64, dtype=torch.bfloat16)
+    other = torch.float32 if DTYPE == torch.bfloat16 else torch.bfloat16
+    assert not cpu_kernels.prompt_attention_supported(other, 64)  # one dtype a build: the other stays on SDPA
+    assert not cpu_kernels.prompt_attention_supported(DTYPE, 8)
+    q = torch.zeros(3, 2, 64, dtype=DTYPE)
     with pytest.raises(ValueError, match="unsupported"):
         cpu_kernels.prompt_attention(q, q[:2], q[:2], 1.0, 1)  # more queries than keys
