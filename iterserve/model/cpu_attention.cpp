@@ -873,46 +873,24 @@ constexpr int kStepKeys = 64;   // keys per online-softmax step
 constexpr int kQueryRows = 16;  // query positions per work item
 constexpr int kRegRows = 6;     // query vectors per register tile
 
-// s[t][0 .. 16) = q_t . k_j for one block of 16 keys (kt: [D][16]), t < 6; s rows s_stride apart.
-template <int D>
-inline void qk_tile(const float* const* q, const float* kt, float* s, int s_stride) {
-    __m256 a[kRegRows][2];
-    for (int t = 0; t < kRegRows; ++t) a[t][0] = a[t][1] = _mm256_setzero_ps();
-    for (int d = 0; d < D; ++d) {
-        const __m256 k0 = _mm256_loadu_ps(kt + d * kKeyBlock), k1 = _mm256_loadu_ps(kt + d * kKeyBlock + 8);
+// c[t][0 .. 16) = (Accumulate: c[t] +) sum over i < n of a[t][i] * b[i][0 .. 16), t < 6: Q.K against a
+// block of keys laid out [D][16] (a: the queries), and P.V against 16 columns of V rows (a: the
+// probabilities). b rows b_stride apart, c rows c_stride apart.
+template <bool Accumulate>
+inline void tile_6x16(const float* const* a, const float* b, int64_t b_stride, int n, float* c, int64_t c_stride) {
+    __m256 acc[kRegRows][2];
+    for (int t = 0; t < kRegRows; ++t)
+        for (int h = 0; h < 2; ++h) acc[t][h] = Accumulate ? _mm256_loadu_ps(c + t * c_stride + 8 * h) : _mm256_setzero_ps();
+    for (int i = 0; i < n; ++i) {
+        const __m256 b0 = _mm256_loadu_ps(b + i * b_stride), b1 = _mm256_loadu_ps(b + i * b_stride + 8);
         for (int t = 0; t < kRegRows; ++t) {
-            const __m256 x = _mm256_broadcast_ss(q[t] + d);
-            a[t][0] = _mm256_fmadd_ps(x, k0, a[t][0]);
-            a[t][1] = _mm256_fmadd_ps(x, k1, a[t][1]);
+            const __m256 x = _mm256_broadcast_ss(a[t] + i);
+            acc[t][0] = _mm256_fmadd_ps(x, b0, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(x, b1, acc[t][1]);
         }
     }
-    for (int t = 0; t < kRegRows; ++t) {
-        _mm256_storeu_ps(s + t * s_stride, a[t][0]);
-        _mm256_storeu_ps(s + t * s_stride + 8, a[t][1]);
-    }
-}
-
-// acc[t][0 .. 16) += sum over n keys of p[t][j] v[j][0 .. 16), t < 6; p rows p_stride apart, acc and v
-// rows D apart.
-template <int D>
-inline void pv_tile(const float* p, int p_stride, const float* v, int n, float* acc) {
-    __m256 a[kRegRows][2];
-    for (int t = 0; t < kRegRows; ++t) {
-        a[t][0] = _mm256_loadu_ps(acc + t * D);
-        a[t][1] = _mm256_loadu_ps(acc + t * D + 8);
-    }
-    for (int j = 0; j < n; ++j) {
-        const __m256 v0 = _mm256_loadu_ps(v + j * D), v1 = _mm256_loadu_ps(v + j * D + 8);
-        for (int t = 0; t < kRegRows; ++t) {
-            const __m256 x = _mm256_broadcast_ss(p + t * p_stride + j);
-            a[t][0] = _mm256_fmadd_ps(x, v0, a[t][0]);
-            a[t][1] = _mm256_fmadd_ps(x, v1, a[t][1]);
-        }
-    }
-    for (int t = 0; t < kRegRows; ++t) {
-        _mm256_storeu_ps(acc + t * D, a[t][0]);
-        _mm256_storeu_ps(acc + t * D + 8, a[t][1]);
-    }
+    for (int t = 0; t < kRegRows; ++t)
+        for (int h = 0; h < 2; ++h) _mm256_storeu_ps(c + t * c_stride + 8 * h, acc[t][h]);
 }
 
 // Turns query i's scores s[0 .. n) of a step starting at key k0 into probabilities in place (0 outside
@@ -976,15 +954,19 @@ void prompt_tile_f32(const float* q, int64_t q_stride, float* out, int T, int S,
         const int n = (std::min(kStepKeys, end - k0) + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
         for (int i0 = 0; i0 < np; i0 += kRegRows)
             for (int b = 0; b < n; b += kKeyBlock)
-                qk_tile<D>(qp.data() + i0, kt + size_t(k0 + b) * D, s + size_t(i0) * kStepKeys + b, kStepKeys);
+                tile_6x16<false>(qp.data() + i0, kt + size_t(k0 + b) * D, kKeyBlock, D, s + size_t(i0) * kStepKeys + b,
+                                 kStepKeys);
         for (int i = 0; i < np; ++i) {
             const int pos = first_pos + std::min(i, nq - 1) / G;
             const int lo = window > 0 ? std::max(0, pos - window + 1 - k0) : 0, hi = std::min(n, pos - k0 + 1);
             softmax_step<D>(s + size_t(i) * kStepKeys, n, lo, hi, scale, m[i], l[i], acc + size_t(i) * D);
         }
-        for (int i0 = 0; i0 < np; i0 += kRegRows)
+        for (int i0 = 0; i0 < np; i0 += kRegRows) {
+            const float* pr[kRegRows];
+            for (int t = 0; t < kRegRows; ++t) pr[t] = s + size_t(i0 + t) * kStepKeys;
             for (int c = 0; c < D; c += 16)
-                pv_tile<D>(s + size_t(i0) * kStepKeys, kStepKeys, vp + size_t(k0) * D + c, n, acc + size_t(i0) * D + c);
+                tile_6x16<true>(pr, vp + size_t(k0) * D + c, D, n, acc + size_t(i0) * D + c, D);
+        }
     }
     for (int i = 0; i < nq; ++i) {
         const int r = i / G, g = i % G;
