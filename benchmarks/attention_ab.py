@@ -2,6 +2,7 @@
 
     python benchmarks/attention_ab.py [--base HEAD] [--kv bf16,int8,pairs] [--layout scattered]
                                       [--decode 32x640,64x256] [--prompt 512,2048] [--repeats 9]
+                                      [--q-dtype bfloat16]
 
 Builds cpu_attention.cpp (with its header) as it is at --base and as it is in the working tree, then
 times each kernel on the same inputs, the two builds one call after the other, and prints medians
@@ -12,7 +13,9 @@ running server's cache), cached lets every sequence share one sequence's blocks 
 cache: the kernel's arithmetic alone). --kv pairs: the base's bf16 kernel over rows against the
 working tree's over the same cache in the pair layout (model/attention.py). The caches are allocated
 as the engine's pool is (lazy_zeros: huge pages where Linux gives them). Prompt: one layer's causal
-attention over T tokens. The machine may be shared: compare the two columns of one run, never
+attention over T tokens. --q-dtype float32: the queries (and a prompt's K/V) in float32, as the engine
+runs where the CPU has no bf16 arithmetic (bf16 storage: float32 queries over a bf16 cache; the float32
+prompt kernel of AVX2 builds). The machine may be shared: compare the two columns of one run, never
 figures across runs.
 """
 from __future__ import annotations
@@ -71,8 +74,8 @@ def pool_copy(cache: torch.Tensor) -> torch.Tensor:
     return pool
 
 
-def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: str,
-                repeats: int) -> tuple[float, float, float]:
+def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: str, repeats: int,
+                q_dtype: torch.dtype) -> tuple[float, float, float]:
     """(base seconds, tree seconds, largest output difference) of one decode step's attention."""
     blocks = -(-(context + 1) // BLOCK)
     total = batch * blocks if layout == "scattered" else blocks
@@ -84,7 +87,7 @@ def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: 
         tables = torch.randperm(total).to(torch.int32).view(batch, blocks).contiguous()
     else:
         tables = torch.arange(blocks, dtype=torch.int32).repeat(batch, 1).contiguous()
-    q = torch.randn(batch, HEADS, HEAD_DIM).to(torch.bfloat16)
+    q = torch.randn(batch, HEADS, HEAD_DIM).to(q_dtype)
     lens = torch.full((batch,), context + 1, dtype=torch.int32)
     threads = torch.get_num_threads()
     outs = [None] * len(kernels)
@@ -98,21 +101,22 @@ def decode_case(kernels: list[dict], kv: str, batch: int, context: int, layout: 
     return base, ours, (outs[0].float() - outs[1].float()).abs().max().item()
 
 
-def prompt_case(kernels: list[dict], tokens: int, repeats: int) -> tuple[float, float, float]:
+def prompt_case(kernels: list[dict], tokens: int, repeats: int, dtype: torch.dtype) -> tuple[float, float, float]:
     """The same for one layer's causal attention over a prompt of `tokens`."""
     width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    qkv = torch.randn(tokens, width).to(torch.bfloat16)
+    qkv = torch.randn(tokens, width).to(dtype)
     q = qkv[:, : HEADS * HEAD_DIM]
     k = qkv[:, HEADS * HEAD_DIM: (HEADS + KV_HEADS) * HEAD_DIM]
     v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:]
-    outs = [torch.empty(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in kernels]
+    outs = [torch.empty(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in kernels]
     threads = torch.get_num_threads()
 
     def run(i: int):
-        rc = kernels[i]["prompt"](1, q.data_ptr(), width, k.data_ptr(), width, v.data_ptr(), width, outs[i].data_ptr(),
+        rc = kernels[i]["prompt"](cpu_kernels.DTYPES[dtype], q.data_ptr(), width, k.data_ptr(), width, v.data_ptr(), width, outs[i].data_ptr(),
                                   tokens, tokens, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, threads, 0)
         if rc != 0:
-            raise SystemExit("prompt attention is not built here (it needs AVX-512 BF16)")
+            raise SystemExit(f"prompt attention in {dtype} is not built here (bf16: AVX-512 BF16; float32: AVX2 "
+                             "without AVX-512)")
     base, ours = alternate([lambda: run(0), lambda: run(1)], repeats)
     return base, ours, (outs[0].float() - outs[1].float()).abs().max().item()
 
@@ -130,7 +134,9 @@ def main() -> None:
     ap.add_argument("--decode", default="32x640,64x256", help="BxCONTEXT cases; empty: none")
     ap.add_argument("--prompt", default="512,2048", help="prompt lengths; empty: none")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--q-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    q_dtype = getattr(torch, args.q_dtype)
     print("command: python", " ".join(sys.argv))
     with tempfile.TemporaryDirectory(prefix="iterserve-ab-") as tmp:
         kernels = [build(checkout(args.base, Path(tmp))), build(Path(cpu_kernels.SOURCE))]
@@ -140,9 +146,9 @@ def main() -> None:
                 batch, context = (int(n) for n in case.split("x"))
                 for kv in args.kv.split(","):
                     print(row(f"decode {kv} B={batch} context {context}",
-                              *decode_case(kernels, kv, batch, context, args.layout, args.repeats)), flush=True)
+                              *decode_case(kernels, kv, batch, context, args.layout, args.repeats, q_dtype)), flush=True)
             for tokens in filter(None, args.prompt.split(",")):
-                print(row(f"prompt one layer, {tokens} tokens", *prompt_case(kernels, int(tokens), args.repeats)),
+                print(row(f"prompt one layer, {tokens} tokens", *prompt_case(kernels, int(tokens), args.repeats, q_dtype)),
                       flush=True)
 
 
