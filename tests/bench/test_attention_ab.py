@@ -31,11 +31,15 @@ def test_runs_against_head_and_both_builds_agree():
         assert source.read_bytes() == Path(cpu_kernels.SOURCE).read_bytes()
         kernels = [ab.build(source), ab.build(Path(cpu_kernels.SOURCE))]
         for kv in ("bf16", "int8"):
-            base, ours, diff = ab.decode_case(kernels, kv, batch=3, context=40, layout="scattered", repeats=1)
-            assert base > 0 and ours > 0 and diff == 0.0
+            for q_dtype in (torch.bfloat16, torch.float32):  # float32: --q-dtype, as bf16 storage runs
+                base, ours, diff = ab.decode_case(kernels, kv, batch=3, context=40, layout="scattered", repeats=1,
+                                                  q_dtype=q_dtype)
+                assert base > 0 and ours > 0 and diff == 0.0
         if cpu_kernels.pairs_supported(ab.HEAD_DIM, ab.BLOCK, ab.HEADS):  # rows at HEAD, pairs here
-            base, ours, diff = ab.decode_case(kernels, "pairs", batch=3, context=40, layout="scattered", repeats=1)
+            base, ours, diff = ab.decode_case(kernels, "pairs", batch=3, context=40, layout="scattered", repeats=1,
+                                              q_dtype=torch.bfloat16)
             assert base > 0 and ours > 0 and diff < 1e-2
-        if cpu_kernels.prompt_attention_supported(torch.bfloat16, 64):
-            base, ours, diff = ab.prompt_case(kernels, tokens=40, repeats=1)
+        prompt_dtypes = [d for d in (torch.bfloat16, torch.float32) if cpu_kernels.prompt_attention_supported(d, 64)]
+        for dtype in prompt_dtypes:
+            base, ours, diff = ab.prompt_case(kernels, tokens=40, repeats=1, dtype=dtype)
             assert base > 0 and ours > 0 and diff == 0.0
