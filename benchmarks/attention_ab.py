@@ -112,7 +112,8 @@ def prompt_case(kernels: list[dict], tokens: int, repeats: int, dtype: torch.dty
     threads = torch.get_num_threads()
 
     def run(i: int):
-        rc = kernels[i]["prompt"](cpu_kernels.DTYPES[dtype], q.data_ptr(), width, k.data_ptr(), width, v.data_ptr(), width, outs[i].data_ptr(),
+        rc = kernels[i]["prompt"](cpu_kernels.DTYPES[dtype], q.data_ptr(), width, k.data_ptr(), width, v.data_ptr(),
+                                  width, outs[i].data_ptr(),
                                   tokens, tokens, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, threads, 0)
         if rc != 0:
             raise SystemExit(f"prompt attention in {dtype} is not built here (bf16: AVX-512 BF16; float32: AVX2 "
@@ -146,9 +147,11 @@ def main() -> None:
                 batch, context = (int(n) for n in case.split("x"))
                 for kv in args.kv.split(","):
                     print(row(f"decode {kv} B={batch} context {context}",
-                              *decode_case(kernels, kv, batch, context, args.layout, args.repeats, q_dtype)), flush=True)
+                              *decode_case(kernels, kv, batch, context, args.layout, args.repeats, q_dtype)),
+                          flush=True)
             for tokens in filter(None, args.prompt.split(",")):
-                print(row(f"prompt one layer, {tokens} tokens", *prompt_case(kernels, int(tokens), args.repeats, q_dtype)),
+                print(row(f"prompt one layer, {tokens} tokens",
+                          *prompt_case(kernels, int(tokens), args.repeats, q_dtype)),
                       flush=True)
 
 

@@ -880,7 +880,8 @@ template <bool Accumulate>
 inline void tile_6x16(const float* const* a, const float* b, int64_t b_stride, int n, float* c, int64_t c_stride) {
     __m256 acc[kRegRows][2];
     for (int t = 0; t < kRegRows; ++t)
-        for (int h = 0; h < 2; ++h) acc[t][h] = Accumulate ? _mm256_loadu_ps(c + t * c_stride + 8 * h) : _mm256_setzero_ps();
+        for (int h = 0; h < 2; ++h)
+            acc[t][h] = Accumulate ? _mm256_loadu_ps(c + t * c_stride + 8 * h) : _mm256_setzero_ps();
     for (int i = 0; i < n; ++i) {
         const __m256 b0 = _mm256_loadu_ps(b + i * b_stride), b1 = _mm256_loadu_ps(b + i * b_stride + 8);
         for (int t = 0; t < kRegRows; ++t) {

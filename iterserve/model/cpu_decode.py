@@ -8,8 +8,8 @@ in C: the results are bit for bit the Python loop's (tests/model/test_cpu_decode
 
 It takes the layers the Python loop runs with the C kernels and nothing else: pre-norm, SiLU, no
 q/k norms, no output norms, no experts, every linear in the C kernel's panels, the K/V cache in the
-arithmetic's dtype, in bfloat16 under float32 arithmetic (bf16 storage) or in int8, a decode-only step through the paged decode kernel, no tensor
-parallelism. DecodeLayers.build says None for anything else, and the model keeps its Python loop.
+arithmetic's dtype, in bfloat16 under float32 arithmetic (bf16 storage) or in int8, a decode-only
+step through the paged decode kernel, no tensor parallelism. DecodeLayers.build says None for anything else, and the model keeps its Python loop.
 """
 from __future__ import annotations
 
