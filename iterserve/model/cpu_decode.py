@@ -9,7 +9,8 @@ in C: the results are bit for bit the Python loop's (tests/model/test_cpu_decode
 It takes the layers the Python loop runs with the C kernels and nothing else: pre-norm, SiLU, no
 q/k norms, no output norms, no experts, every linear in the C kernel's panels, the K/V cache in the
 arithmetic's dtype, in bfloat16 under float32 arithmetic (bf16 storage) or in int8, a decode-only
-step through the paged decode kernel, no tensor parallelism. DecodeLayers.build says None for anything else, and the model keeps its Python loop.
+step through the paged decode kernel, no tensor parallelism. DecodeLayers.build says None for anything
+else, and the model keeps its Python loop.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 from iterserve.model import cpu_kernels
 from iterserve.model.attention import in_pairs
-from iterserve.model.cpu_kernels import DTYPES, FLAGS, MIXED, PAIRS, _build, _f32, _i32, _i64, _p
+from iterserve.model.cpu_kernels import DTYPES, FLAGS, _build, _f32, _i32, _i64, _p
 from iterserve.model.quant import PanelWeight
 
 SOURCE = cpu_kernels.DECODE_SOURCE
@@ -131,9 +132,9 @@ class DecodeLayers:
                      *(f[name] if name == write else None
                        for name in ("write_kv", "write_kv_int8", "write_kv_pairs", "write_kv_bf16")),
                      f["attention_int8" if int8 else "attention"], f["silu_mul"], DTYPES[self.dtype], self.linear_dtype,
-                     PAIRS if pairs else MIXED if mixed else DTYPES[self.dtype], plan.num_threads, cfg.num_heads,
-                     cfg.num_kv_heads,
-                     cfg.head_dim, plan.block_size, m, cfg.hidden_size, self.intermediate, cfg.rms_norm_eps,
+                     cpu_kernels.attention_code(self.dtype, kv_cache.dtype, pairs), plan.num_threads,
+                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, plan.block_size, m, cfg.hidden_size,
+                     self.intermediate, cfg.rms_norm_eps,
                      self.model.scale, cfg.attn_logit_softcap, kv_cache.data_ptr(), kv_cache.stride(0) * size,
                      kv_cache.stride(1) * size, positions.data_ptr(), plan.slot_mapping.data_ptr(), tables.data_ptr(),
                      tables.stride(0), plan.decode_seq_lens.data_ptr(), x.data_ptr(), delta.data_ptr(), h.data_ptr(),

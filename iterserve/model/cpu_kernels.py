@@ -259,17 +259,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert width == d + (SCALE_BYTES if quantized else 0) and v_cache.dtype == k_cache.dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
     assert block_tables.dtype == seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
-    mixed = not quantized and k_cache.dtype != q.dtype
-    assert not mixed or (q.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)
-    assert not pairs or (q.dtype == k_cache.dtype == torch.bfloat16)
     out = q.new_empty(b, h, d)
-    code = PAIRS if pairs else MIXED if mixed else DTYPES[q.dtype]
-    rc = fn(code, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+    rc = fn(attention_code(q.dtype, k_cache.dtype, pairs), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+            v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), b, h, hkv, d, block_size, scale, num_threads,
             window, softcap)
     if rc != 0:
         raise ValueError(f"decode attention kernel: unsupported shape (heads {h}, kv heads {hkv}, head dim {d})")
     return out
+
+
+def attention_code(q_dtype: torch.dtype, cache_dtype: torch.dtype, pairs: bool = False) -> int:
+    """The decode kernel's dtype code for these queries over this cache (the Python loop's and
+    cpu_decode's): the pair layout, bf16 storage's float32 queries over a bfloat16 cache, or the queries'
+    own dtype (an int8 cache's kernel takes that too)."""
+    mixed = cache_dtype != torch.int8 and cache_dtype != q_dtype
+    assert not mixed or (q_dtype == torch.float32 and cache_dtype == torch.bfloat16)
+    assert not pairs or (q_dtype == cache_dtype == torch.bfloat16)
+    return PAIRS if pairs else MIXED if mixed else DTYPES[q_dtype]
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, num_threads: int,
