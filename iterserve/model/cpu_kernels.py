@@ -121,11 +121,14 @@ def _start_build(source: Path, flags: list[str]) -> tuple[Path, Future] | None:
         return lib_path, _builds[lib_path]
 
 
-def prebuild() -> None:
+def prebuild(wait: bool = False) -> None:
     """Start compiling, side by side in the background, every library the CPU path loads with its default
-    flags, so that a cold start's weight and tokenizer loading overlaps them; _build waits for its own."""
-    for source, flags in DEFAULT_BUILDS:
-        _start_build(source, flags)
+    flags, so that a cold start's weight and tokenizer loading overlaps them; _build waits for its own.
+    wait: return once they are built (`make setup` builds them at install)."""
+    started = [_start_build(source, flags) for source, flags in DEFAULT_BUILDS]
+    for lib_path, build in filter(None, started) if wait else ():
+        if (error := build.result()) is not None:
+            logger.warning("building %s failed:\n%s", lib_path.name, error)
 
 
 def _build(source: Path, flags: list[str]) -> ctypes.CDLL | None:

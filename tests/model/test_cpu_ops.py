@@ -53,6 +53,19 @@ def test_prebuild_compiles_every_library_side_by_side_once(monkeypatch, tmp_path
     assert log.read_text().count("start") == n
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
+def test_prebuild_at_install_returns_with_every_library_built(monkeypatch, tmp_path):
+    log, compiler = tmp_path / "compiles.log", tmp_path / "fake-cxx"
+    n = len(cpu_kernels.DEFAULT_BUILDS)
+    compiler.write_text(FAKE_COMPILER.format(log=log, n=n, cxx=shutil.which("g++")))
+    compiler.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(compiler))
+    cpu_kernels.prebuild(wait=True)
+    assert sorted(p.name.split("-")[0] for p in cpu_kernels.cache_dir().glob("*.so")) == \
+        sorted(source.stem for source, _ in cpu_kernels.DEFAULT_BUILDS)
+
+
 def test_no_compiler_is_said_once(monkeypatch, tmp_path, caplog):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or c++ on it
