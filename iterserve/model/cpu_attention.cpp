@@ -542,10 +542,6 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
 // Without bf16 dot products, a bf16 (or int8) cache's K vectors are widened in registers, once for
 // up to 3 query heads of their kv head (qk_rows4).
 
-inline __m256 load8(const int8_t* p) {  // beside cpu_common.h's float32 and bf16 ones
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // a[0..7] -> one vector of their 8 horizontal sums, in order.
 inline __m256 reduce8(const __m256* a) {
     const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));

@@ -82,6 +82,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+inline __m256 load8(const int8_t* p) {  // an int8 cache's or weight's codes, widened
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 inline __m256i bf16_bits8(__m256 x) {
     const __m256i u = _mm256_castps_si256(x);

@@ -47,6 +47,7 @@ MIXED = 2  # the kernels' code for float32 activations over bfloat16 weights or 
 # kernel's for a cache (attention.py)
 PAIRS = 3
 INT8 = 4  # cpu_linear.cpp's code for int8 panels (w8a8) under float32 activations; + 1 under bfloat16
+INT8_WEIGHTS = 6  # cpu_linear.cpp's code for weight-only int8 panels under float32 activations (AVX2)
 INT8_GROUP = 64  # cpu_linear.cpp's kGroup: inputs an activation scale covers, and a column sum
 
 
@@ -406,6 +407,12 @@ def linear_int8_supported(extra_flags: tuple[str, ...] = ()) -> bool:
     return _linear_builds("int8", extra_flags)
 
 
+@functools.cache
+def linear_int8_weights_supported(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether cpu_linear.cpp's build takes weight-only int8 panels (AVX2 without AVX-512)."""
+    return _linear_builds("int8_weights", extra_flags)
+
+
 class _HugePageArena:
     """Weight panels carved one after another from private anonymous mappings advised for transparent
     huge pages (THP "madvise" mode). A small-batch step streams every weight once, and over 4 KiB pages
@@ -483,6 +490,33 @@ def pack_int8_panels(w: torch.Tensor) -> torch.Tensor:
     sums = q.view(panels_n, PANEL, groups, INT8_GROUP).sum(dim=-1, dtype=torch.int32)
     tail[:, PANEL:].view(panels_n, groups, PANEL).copy_(sums.transpose(1, 2))
     return panels
+
+
+def pack_int8_weight_panels(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Weight-only int8 codes q [N, K] and their row scales [N] -> one flat int8 tensor: pack_panels'
+    layout of the codes, then ceil(N / PANEL) * PANEL float32 scales (1 past N): what
+    linear_int8_weights reads."""
+    n, k = q.shape
+    codes = pack_panels(q)
+    padded = codes.shape[0] * PANEL
+    out = _arena.empty((codes.numel() + 4 * padded,), torch.int8) if _arena is not None else \
+        torch.empty(codes.numel() + 4 * padded, dtype=torch.int8)
+    out[:codes.numel()].copy_(codes.view(-1))
+    out[codes.numel():].view(torch.float32).copy_(torch.nn.functional.pad(scales.float(), (0, padded - n), value=1.0))
+    return out
+
+
+def linear_int8_weights(x: torch.Tensor, panels: torch.Tensor, n: int, k: int, kernel=None) -> torch.Tensor:
+    """x [M, K] float32 (rows any stride) @ (codes * scales)^T -> [M, n] float32, the weight as
+    pack_int8_weight_panels packed it."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert x.dtype == torch.float32 and x.shape[1] == k and panels.numel() == -(-n // PANEL) * PANEL * (k + 4)
+    y = x.new_empty(x.shape[0], n)
+    if (kernel or linear_kernel())(INT8_WEIGHTS, x.data_ptr(), x.stride(0), panels.data_ptr(), None, y.data_ptr(),
+                                   x.shape[0], n, k, torch.get_num_threads()):
+        raise ValueError("this build of cpu_linear.cpp has no weight-only int8 panels (AVX2 without AVX-512 only)")
+    return y
 
 
 def panel_in_features(panels: torch.Tensor) -> int:

@@ -421,6 +421,22 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
     }
 }
 
+#if !defined(__AVX512F__)
+#define ITERSERVE_LINEAR_INT8_WEIGHTS 1
+// Weight-only int8 (--quantization int8) under float32 x and y, on AVX2: the panels hold int8 codes
+// laid out as float panels are ([K][kPanel] each), then every output's float32 scale (symmetric, one
+// an output row). The tiles widen the codes in registers as they do bf16; the scales multiply y after.
+// torch's own weight-only int8 kernel on such a CPU took 22-29x bf16 storage's time for a decode step.
+void linear_int8_weights(const float* x, int64_t ldx, const int8_t* panels, float* y, int64_t M, int64_t N,
+                         int64_t K, int num_threads) {
+    linear<int8_t, float>(x, ldx, panels, nullptr, y, M, N, K, num_threads);
+    const float* scales = reinterpret_cast<const float*>(panels + (N + kPanel - 1) / kPanel * K * kPanel);
+#pragma omp parallel for num_threads(num_threads) if (M * N > (1 << 16))
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scales[n];
+}
+#endif
+
 #endif
 
 }  // namespace
@@ -444,6 +460,15 @@ int iterserve_linear_pairs_supported() {
 #endif
 }
 
+// Whether this build takes dtype 6, weight-only int8 panels (AVX2 without AVX-512).
+int iterserve_linear_int8_weights_supported() {
+#if defined(ITERSERVE_LINEAR_INT8_WEIGHTS)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // Whether this build takes dtypes 4 and 5, the int8 panels (AVX-512 VNNI).
 int iterserve_linear_int8_supported() {
 #if defined(ITERSERVE_LINEAR_INT8)
@@ -455,12 +480,22 @@ int iterserve_linear_int8_supported() {
 
 // dtype of x, the panels, bias and y: 0 float32, 1 bfloat16; 2 bfloat16 panels, the rest float32;
 // 3 bfloat16 throughout, the panels in the pairs layout; 4 / 5 int8 panels (w8a8) under float32 /
-// bfloat16 x, bias and y.
+// bfloat16 x, bias and y; 6 weight-only int8 panels under float32 x and y, no bias.
 // x rows ldx elements apart, y contiguous; bias may be null. Returns 0, or -1 where this build cannot
 // run it.
 int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, const void* bias, void* y,
                      int64_t M, int64_t N, int64_t K, int num_threads) {
 #if defined(ITERSERVE_LINEAR)
+    if (dtype == 6) {
+#if defined(ITERSERVE_LINEAR_INT8_WEIGHTS)
+        if (bias != nullptr) return -1;
+        linear_int8_weights(static_cast<const float*>(x), ldx, static_cast<const int8_t*>(panels),
+                            static_cast<float*>(y), M, N, K, num_threads);
+        return 0;
+#else
+        return -1;
+#endif
+    }
     if (dtype == 4 || dtype == 5) {
 #if defined(ITERSERVE_LINEAR_INT8)
         if (dtype == 4)

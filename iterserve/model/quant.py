@@ -4,7 +4,9 @@ At batch 1 a decode step reads every weight once and does almost no arithmetic p
 runs at memory speed: halving the bytes (int8) or quartering them (int4) is what makes llama.cpp
 fast there. Activations stay in the compute dtype; PyTorch's own CPU kernels dequantize the
 weight on the fly:
-  int8: torch.ops.aten._weight_int8pack_mm, one scale per output row (symmetric, [-127, 127]).
+  int8: torch.ops.aten._weight_int8pack_mm, one scale per output row (symmetric, [-127, 127]);
+        on AVX2 without AVX-512, where that kernel ran 22-29x slower than bf16 storage, the same
+        codes in cpu_linear.cpp's panels instead, widened in registers under float32 activations.
   int4: torch.ops.aten._weight_int4pack_mm_for_cpu, groups of 32 along K, a scale and a zero
         per group: w = (q - 8) * scale + zero, q in [0, 15].
 Both are slower than a bf16 matmul once the batch is large (measured: ~2x at B=64 on this CPU),
@@ -54,18 +56,18 @@ INT4_GROUP = 32  # the GGUF block size, so a Q4_0/Q4_1 tensor maps group for gro
 
 @dataclass(slots=True)
 class Int8Weight:
-    qweight: torch.Tensor  # [N, K] int8
+    qweight: torch.Tensor  # [N, K] int8, or with `panels` cpu_kernels.pack_int8_weight_panels' (scales inside)
     scales: torch.Tensor  # [N], compute dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.qweight.shape
+    shape: torch.Size  # [N, K], as the float weight's
+    panels: bool = False  # whether qweight is the C++ kernel's panels (AVX2), else torch's [N, K] layout
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.nbytes + self.scales.nbytes
+        return self.qweight.nbytes + (0 if self.panels else self.scales.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels:  # float32 arithmetic, as bf16 storage on such a CPU
+            return cpu_kernels.linear_int8_weights(x.float(), self.qweight, *self.shape).to(x.dtype)
         return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
@@ -125,9 +127,13 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
-    """Symmetric, one scale per output row (cpu_kernels.int8_codes, as w8a8's panels hold them)."""
+    """Symmetric, one scale per output row (cpu_kernels.int8_codes, as w8a8's panels hold them). On AVX2
+    without AVX-512 the C++ kernel's panels: torch's weight-only int8 kernel there is 22-29x slower than
+    bf16 storage (docs/performance.md, 2026-12-02)."""
     q, scales = cpu_kernels.int8_codes(w)
-    return Int8Weight(q.contiguous(), scales.to(w.dtype))
+    if w.device.type == "cpu" and cpu_kernels.linear_int8_weights_supported():
+        return Int8Weight(cpu_kernels.pack_int8_weight_panels(q, scales), scales, w.shape, panels=True)
+    return Int8Weight(q.contiguous(), scales.to(w.dtype), w.shape)
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Weight:

@@ -318,3 +318,35 @@ def test_w8a8_is_refused_where_the_kernel_cannot_run(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "linear_int8_supported", lambda *a: False)
     with pytest.raises(ValueError, match="AVX-512 VNNI"):
         quant.check_supported("w8a8", torch.device("cpu"))
+
+
+AVX2_BUILD = ("-mno-avx512f",)  # weight-only int8 panels are the AVX2 build's (any x86 CPU with AVX2 runs it)
+needs_int8_weights = pytest.mark.skipif(not cpu_kernels.linear_int8_weights_supported(AVX2_BUILD),
+                                        reason="no AVX2 build of cpu_linear.cpp here")
+
+
+@needs_int8_weights
+@pytest.mark.parametrize("m,n,k", SHAPES + [(7, 65, 1536)])
+def test_int8_weight_panels_compute_codes_times_scales(m, n, k):
+    """Weight-only int8 (--quantization int8 on AVX2): the codes widened exactly, summed in float32, times
+    each row's scale: the product with the dequantized weight, to float32 rounding."""
+    torch.manual_seed(5 * m + n + k)
+    q, scales = cpu_kernels.int8_codes(torch.randn(n, k))
+    x = torch.randn(m, 3, k)[:, 1]  # rows 3 k apart: read in place
+    panels = cpu_kernels.pack_int8_weight_panels(q, scales)
+    got = cpu_kernels.linear_int8_weights(x, panels, n, k, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
+    assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
+    torch.testing.assert_close(got, x @ (q.float() * scales[:, None]).t(), atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
+@needs_kernel
+def test_int8_weight_panels_are_declined_by_a_build_without_them():
+    """Where the build has AVX-512 (its own w8a8 panels instead), code 6 is refused, never misread."""
+    declining = [flags for flags in [(), AVX2_BUILD] if not cpu_kernels.linear_int8_weights_supported(flags)]
+    if not declining:
+        pytest.skip("every build here has them (AVX2 without AVX-512)")
+    q, scales = cpu_kernels.int8_codes(torch.randn(40, 64))
+    panels = cpu_kernels.pack_int8_weight_panels(q, scales)
+    for flags in declining:
+        with pytest.raises(ValueError, match="weight-only int8"):
+            cpu_kernels.linear_int8_weights(torch.randn(2, 64), panels, 40, 64, kernel=cpu_kernels.linear_kernel(flags))

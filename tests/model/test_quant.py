@@ -8,6 +8,7 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
+from iterserve.model import cpu_kernels
 from iterserve.model.quant import (INT4_GROUP, PackedFloatWeight, PanelWeight, linear, pack_float, panel_layout, quantize,
                                      quantize_int4)
 from iterserve.sampling_params import SamplingParams
@@ -31,6 +32,19 @@ def test_packed_linear_matches_float(mode, tol):
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
     torch.testing.assert_close(linear(x, q, bias).float(), (x.float() @ dequantized(q).t() + bias.float()),
                                atol=0.1, rtol=0.02)
+
+
+def test_int8_takes_the_kernels_panels_where_the_build_has_them(monkeypatch):
+    """On AVX2 without AVX-512 weight-only int8 runs on cpu_linear.cpp's panels, elsewhere on torch's
+    kernel; the same product either way."""
+    torch.manual_seed(1)
+    w, x = torch.randn(70, 96), torch.randn(3, 96)
+    ours = quantize(w, "int8")
+    assert ours.panels == cpu_kernels.linear_int8_weights_supported()
+    monkeypatch.setattr(cpu_kernels, "linear_int8_weights_supported", lambda flags=(): False)
+    torchs = quantize(w, "int8")
+    assert not torchs.panels and torchs.qweight.shape == (70, 96)
+    torch.testing.assert_close(linear(x, ours), linear(x, torchs), atol=1e-4, rtol=1e-4)
 
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
