@@ -426,7 +426,7 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
 // Weight-only int8 (--quantization int8) under float32 x and y, on AVX2: the panels hold int8 codes
 // laid out as float panels are ([K][kPanel] each), then every output's float32 scale (symmetric, one
 // an output row). The tiles widen the codes in registers as they do bf16; the scales multiply y after.
-// torch's own weight-only int8 kernel on such a CPU took 22-29x bf16 storage's time for a decode step.
+// torch's own weight-only int8 kernel is many times slower there (docs/performance.md).
 void linear_int8_weights(const float* x, int64_t ldx, const int8_t* panels, float* y, int64_t M, int64_t N,
                          int64_t K, int num_threads) {
     linear<int8_t, float>(x, ldx, panels, nullptr, y, M, N, K, num_threads);

@@ -5,8 +5,8 @@ runs at memory speed: halving the bytes (int8) or quartering them (int4) is what
 fast there. Activations stay in the compute dtype; PyTorch's own CPU kernels dequantize the
 weight on the fly:
   int8: torch.ops.aten._weight_int8pack_mm, one scale per output row (symmetric, [-127, 127]);
-        on AVX2 without AVX-512, where that kernel ran 22-29x slower than bf16 storage, the same
-        codes in cpu_linear.cpp's panels instead, widened in registers under float32 activations.
+        on AVX2 without AVX-512, where that kernel is many times slower than bf16 storage, the
+        same codes in cpu_linear.cpp's panels instead, widened in registers under float32 activations.
   int4: torch.ops.aten._weight_int4pack_mm_for_cpu, groups of 32 along K, a scale and a zero
         per group: w = (q - 8) * scale + zero, q in [0, 15].
 Both are slower than a bf16 matmul once the batch is large (measured: ~2x at B=64 on this CPU),
@@ -57,7 +57,7 @@ INT4_GROUP = 32  # the GGUF block size, so a Q4_0/Q4_1 tensor maps group for gro
 @dataclass(slots=True)
 class Int8Weight:
     qweight: torch.Tensor  # [N, K] int8, or with `panels` cpu_kernels.pack_int8_weight_panels' (scales inside)
-    scales: torch.Tensor  # [N], compute dtype
+    scales: torch.Tensor  # [N]: compute dtype for torch's kernel, float32 beside the panels (a copy is inside)
     shape: torch.Size  # [N, K], as the float weight's
     panels: bool = False  # whether qweight is the C++ kernel's panels (AVX2), else torch's [N, K] layout
 
@@ -128,8 +128,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
     """Symmetric, one scale per output row (cpu_kernels.int8_codes, as w8a8's panels hold them). On AVX2
-    without AVX-512 the C++ kernel's panels: torch's weight-only int8 kernel there is 22-29x slower than
-    bf16 storage (docs/performance.md, 2026-12-02)."""
+    without AVX-512 the C++ kernel's panels: torch's weight-only int8 kernel there is many times slower
+    than bf16 storage (docs/performance.md, 2026-12-02)."""
     q, scales = cpu_kernels.int8_codes(w)
     if w.device.type == "cpu" and cpu_kernels.linear_int8_weights_supported():
         return Int8Weight(cpu_kernels.pack_int8_weight_panels(q, scales), scales, w.shape, panels=True)
