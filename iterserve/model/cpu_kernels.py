@@ -509,13 +509,21 @@ def pack_int8_weight_panels(q: torch.Tensor, scales: torch.Tensor) -> torch.Tens
 def linear_int8_weights(x: torch.Tensor, panels: torch.Tensor, n: int, k: int, kernel=None) -> torch.Tensor:
     """x [M, K] float32 (rows any stride) @ (codes * scales)^T -> [M, n] float32, the weight as
     pack_int8_weight_panels packed it."""
+    assert x.dtype == torch.float32 and x.shape[1] == k and panels.numel() == -(-n // PANEL) * PANEL * (k + 4)
+    return _run_linear(INT8_WEIGHTS, x, panels, n, None, kernel,
+                       "this build of cpu_linear.cpp has no weight-only int8 panels (AVX2 without AVX-512 only)")
+
+
+def _run_linear(code: int, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, kernel,
+                refused: str) -> torch.Tensor:
+    """cpu_linear.cpp's iterserve_linear on x [M, K] (rows any stride) -> y [M, n]; `refused`: the
+    ValueError's text where this build cannot run `code`."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    assert x.dtype == torch.float32 and x.shape[1] == k and panels.numel() == -(-n // PANEL) * PANEL * (k + 4)
     y = x.new_empty(x.shape[0], n)
-    if (kernel or linear_kernel())(INT8_WEIGHTS, x.data_ptr(), x.stride(0), panels.data_ptr(), None, y.data_ptr(),
-                                   x.shape[0], n, k, torch.get_num_threads()):
-        raise ValueError("this build of cpu_linear.cpp has no weight-only int8 panels (AVX2 without AVX-512 only)")
+    if (kernel or linear_kernel())(code, x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(bias), y.data_ptr(),
+                                   x.shape[0], n, x.shape[1], torch.get_num_threads()):
+        raise ValueError(refused)
     return y
 
 
@@ -545,16 +553,11 @@ def linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | N
     """x [M, K] (rows any stride) @ W^T (+ bias) -> [M, n] contiguous, W as pack_panels packed it; one dtype
     throughout, float32 or bfloat16 (either layout), or bfloat16 panels under float32 x, bias and y, or
     pack_int8_panels' under either (x quantized per row in the kernel)."""
-    m, k = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    k = x.shape[1]
     code = linear_code(x.dtype, panels)
     assert panel_in_features(panels) == (int8_depth(k) if code >= INT8 else k) and panels.is_contiguous()
     assert code != MIXED or (x.dtype == torch.float32 and panels.dtype == torch.bfloat16)
     assert code != PAIRS or x.dtype == torch.bfloat16  # the pairs layout is bfloat16 throughout
     assert bias is None or (bias.is_contiguous() and bias.dtype == x.dtype)
-    y = x.new_empty(m, n)
-    if (kernel or linear_kernel())(code, x.data_ptr(), x.stride(0), panels.data_ptr(), _ptr(bias), y.data_ptr(),
-                                   m, n, k, torch.get_num_threads()):
-        raise ValueError("this build of cpu_linear.cpp has no AVX-512 BF16 for the pairs layout, or no VNNI for int8")
-    return y
+    return _run_linear(code, x, panels, n, bias, kernel,
+                       "this build of cpu_linear.cpp has no AVX-512 BF16 for the pairs layout, or no VNNI for int8")

@@ -35,16 +35,23 @@ echo 'int iterserve_fake;' | {cxx} -shared -fPIC -x c++ - -o "$2"
 """
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
-def test_prebuild_compiles_every_library_side_by_side_once(monkeypatch, tmp_path):
+@pytest.fixture
+def fake_compiler(monkeypatch, tmp_path):
+    """FAKE_COMPILER as CXX over an empty (cold) kernel cache; its log of starts."""
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ here")
+    log, compiler = tmp_path / "compiles.log", tmp_path / "fake-cxx"
+    compiler.write_text(FAKE_COMPILER.format(log=log, n=len(cpu_kernels.DEFAULT_BUILDS), cxx=shutil.which("g++")))
+    compiler.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(compiler))
+    return log
+
+
+def test_prebuild_compiles_every_library_side_by_side_once(fake_compiler):
     """A cold start's compiles run at once (prebuild), and a kernel's own build waits for its compile
     under way instead of starting a second."""
-    log, compiler = tmp_path / "compiles.log", tmp_path / "fake-cxx"
-    n = len(cpu_kernels.DEFAULT_BUILDS)
-    compiler.write_text(FAKE_COMPILER.format(log=log, n=n, cxx=shutil.which("g++")))
-    compiler.chmod(0o755)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # cold
-    monkeypatch.setenv("CXX", str(compiler))
+    log, n = fake_compiler, len(cpu_kernels.DEFAULT_BUILDS)
     cpu_kernels.prebuild()
     assert all(cpu_kernels._build(source, flags) is not None for source, flags in cpu_kernels.DEFAULT_BUILDS)
     assert log.read_text().count("start") == n
@@ -53,14 +60,7 @@ def test_prebuild_compiles_every_library_side_by_side_once(monkeypatch, tmp_path
     assert log.read_text().count("start") == n
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
-def test_prebuild_at_install_returns_with_every_library_built(monkeypatch, tmp_path):
-    log, compiler = tmp_path / "compiles.log", tmp_path / "fake-cxx"
-    n = len(cpu_kernels.DEFAULT_BUILDS)
-    compiler.write_text(FAKE_COMPILER.format(log=log, n=n, cxx=shutil.which("g++")))
-    compiler.chmod(0o755)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("CXX", str(compiler))
+def test_prebuild_at_install_returns_with_every_library_built(fake_compiler):
     cpu_kernels.prebuild(wait=True)
     assert sorted(p.name.split("-")[0] for p in cpu_kernels.cache_dir().glob("*.so")) == \
         sorted(source.stem for source, _ in cpu_kernels.DEFAULT_BUILDS)
