@@ -94,6 +94,12 @@ inline __m256i bf16_bits8(__m256 x) {
     return _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
 }
 
+inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
 inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 inline void store8(uint16_t* p, __m256 x) {
     const __m256i bits = bf16_bits8(x);

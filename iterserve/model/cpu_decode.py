@@ -22,7 +22,7 @@ import torch
 from iterserve.model import cpu_kernels
 from iterserve.model.attention import in_pairs
 from iterserve.model.cpu_kernels import DTYPES, FLAGS, _build, _f32, _i32, _i64, _p
-from iterserve.model.quant import PanelWeight
+from iterserve.model.quant import kernel_panels
 
 SOURCE = cpu_kernels.DECODE_SOURCE
 # What cpu_decode.cpp can time, per layer and in its Part order: both norms are "norm".
@@ -61,17 +61,21 @@ def _address(fn) -> int:
 class DecodeLayers:
     """The model's layers as cpu_decode.cpp runs them: their weights' addresses, taken once."""
 
-    def __init__(self, model, kernel) -> None:
+    def __init__(self, model, kernel, linear_dtype: int) -> None:
         cfg, layers = model.cfg, model.layers
         self.model, self.kernel, self.dtype = model, kernel, model.dtype
+
+        def panels(w) -> int:
+            return kernel_panels(w, model.dtype)[0].data_ptr()
+
         self.layers = (_Layer * len(layers))(*[_Layer(
-            l.attn_norm.data_ptr(), l.qkv.panels.data_ptr(), cpu_kernels._ptr(l.qkv_bias), l.o.panels.data_ptr(),
-            l.mlp_norm.data_ptr(), l.gate_up.panels.data_ptr(), l.down.panels.data_ptr(),
+            l.attn_norm.data_ptr(), panels(l.qkv), cpu_kernels._ptr(l.qkv_bias), panels(l.o),
+            l.mlp_norm.data_ptr(), panels(l.gate_up), panels(l.down),
             model.rope_tables[l.rope][0].data_ptr(), model.rope_tables[l.rope][1].data_ptr(), l.window)
             for l in layers])
         self.intermediate = layers[0].gate_up.shape[0] // 2
         self.part_seconds = None  # see time_parts
-        self.linear_dtype = cpu_kernels.linear_code(model.dtype, layers[0].qkv.panels)
+        self.linear_dtype = linear_dtype
         ops = cpu_kernels.elementwise_ops()
         self.fns = {"rms_norm": _address(ops.rms_norm), "linear": _address(cpu_kernels.linear_kernel()),
                     "rope": _address(ops.rope), "silu_mul": _address(ops.silu_mul), "write_kv": _address(ops.write_kv),
@@ -90,16 +94,17 @@ class DecodeLayers:
             return None
         if any(l.experts is not None or l.attn_norm is None or l.mlp_norm is None for l in layers):
             return None
-        weights = [w for l in layers for w in (l.qkv, l.o, l.gate_up, l.down)]
-        if not all(isinstance(w, PanelWeight) for w in weights):
+        panels = [kernel_panels(w, model.dtype) for l in layers for w in (l.qkv, l.o, l.gate_up, l.down)]
+        if any(p is None for p in panels):
             return None
-        if len({cpu_kernels.linear_code(model.dtype, w.panels) for w in weights}) != 1:
-            return None  # one layout: the arithmetic's dtype, bf16 storage's under float32, or int8
+        codes = {code for _, code in panels}
+        if len(codes) != 1:  # one layout: the arithmetic's dtype, bf16 storage's under float32, int8, int4
+            return None
         kernel = _kernel()
         if kernel is None or cpu_kernels.decode_attention_kernel() is None or \
                 cpu_kernels.decode_attention_int8_kernel() is None:
             return None
-        return DecodeLayers(model, kernel)
+        return DecodeLayers(model, kernel, codes.pop())
 
     def time_parts(self, on: bool = True) -> None:
         """Sum, from now on, the seconds each of PARTS takes over all layers (part_seconds, from zero), or

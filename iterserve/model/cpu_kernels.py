@@ -48,6 +48,8 @@ MIXED = 2  # the kernels' code for float32 activations over bfloat16 weights or 
 PAIRS = 3
 INT8 = 4  # cpu_linear.cpp's code for int8 panels (w8a8) under float32 activations; + 1 under bfloat16
 INT8_WEIGHTS = 6  # cpu_linear.cpp's code for weight-only int8 panels under float32 activations (AVX2)
+INT4_WEIGHTS = 7  # and for weight-only int4 panels
+INT4_GROUP = 32  # cpu_linear.cpp's kInt4Group: inputs a scale and a minimum cover (the GGUF block)
 INT8_GROUP = 64  # cpu_linear.cpp's kGroup: inputs an activation scale covers, and a column sum
 
 
@@ -408,9 +410,9 @@ def linear_int8_supported(extra_flags: tuple[str, ...] = ()) -> bool:
 
 
 @functools.cache
-def linear_int8_weights_supported(extra_flags: tuple[str, ...] = ()) -> bool:
-    """Whether cpu_linear.cpp's build takes weight-only int8 panels (AVX2 without AVX-512)."""
-    return _linear_builds("int8_weights", extra_flags)
+def linear_weight_only_supported(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether cpu_linear.cpp's build takes weight-only int8 and int4 panels (AVX2 without AVX-512)."""
+    return _linear_builds("weight_only", extra_flags)
 
 
 class _HugePageArena:
@@ -506,12 +508,50 @@ def pack_int8_weight_panels(q: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return out
 
 
-def linear_int8_weights(x: torch.Tensor, panels: torch.Tensor, n: int, k: int, kernel=None) -> torch.Tensor:
-    """x [M, K] float32 (rows any stride) @ (codes * scales)^T -> [M, n] float32, the weight as
-    pack_int8_weight_panels packed it."""
+def linear_int8_weights(x: torch.Tensor, panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None,
+                        kernel=None) -> torch.Tensor:
+    """x [M, K] float32 (rows any stride) @ (codes * scales)^T (+ bias, float32) -> [M, n] float32, the weight
+    as pack_int8_weight_panels packed it."""
     assert x.dtype == torch.float32 and x.shape[1] == k and panels.numel() == -(-n // PANEL) * PANEL * (k + 4)
-    return _run_linear(INT8_WEIGHTS, x, panels, n, None, kernel,
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    return _run_linear(INT8_WEIGHTS, x, panels, n, bias, kernel,
                        "this build of cpu_linear.cpp has no weight-only int8 panels (AVX2 without AVX-512 only)")
+
+
+def pack_int4_weight_panels(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+    """Weight-only int4 codes q [N, K] in [0, 15] (w = q * scale + minimum, each group of INT4_GROUP inputs
+    its own scale and minimum: scales and minimums [N, K / INT4_GROUP]) -> one flat uint8 tensor, what
+    linear_int4_weights reads: per panel of PANEL outputs (zeros past N), per group, its codes k by k
+    (PANEL / 2 bytes a k: output j in the low nibble of byte j, output j + PANEL / 2 in the high one), then
+    the PANEL bf16 scales and the PANEL bf16 minimums."""
+    n, k = q.shape
+    assert k % INT4_GROUP == 0 and scales.shape == minimums.shape == (n, k // INT4_GROUP)
+    panels_n, groups, half = -(-n // PANEL), k // INT4_GROUP, PANEL // 2
+    pad = (0, 0, 0, panels_n * PANEL - n)
+    q = torch.nn.functional.pad(q.to(torch.uint8), pad).view(panels_n, PANEL, groups, INT4_GROUP)
+    codes = (q[:, :half] | (q[:, half:] << 4)).permute(0, 2, 3, 1)  # [panels, groups, k, half]
+
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [panels, groups, PANEL] bf16's bytes
+        t = torch.nn.functional.pad(t.to(torch.bfloat16), pad).view(panels_n, PANEL, groups).transpose(1, 2)
+        return t.contiguous().view(torch.uint8)
+
+    group_bytes = INT4_GROUP * half + 4 * PANEL
+    shape = (panels_n * groups * group_bytes,)
+    out = _arena.empty(shape, torch.uint8) if _arena is not None else torch.empty(shape, dtype=torch.uint8)
+    out.view(panels_n, groups, group_bytes).copy_(torch.cat(
+        [codes.reshape(panels_n, groups, INT4_GROUP * half), per_group(scales), per_group(minimums)], dim=-1))
+    return out
+
+
+def linear_int4_weights(x: torch.Tensor, panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None,
+                        kernel=None) -> torch.Tensor:
+    """x [M, K] float32 (rows any stride) @ (codes * scale + minimum)^T (+ bias, float32) -> [M, n] float32,
+    the weight as pack_int4_weight_panels packed it."""
+    assert x.dtype == torch.float32 and x.shape[1] == k and k % INT4_GROUP == 0
+    assert panels.numel() == -(-n // PANEL) * PANEL * k * 5 // 8  # half a byte a code, 4 bytes a group's pair
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    return _run_linear(INT4_WEIGHTS, x, panels, n, bias, kernel,
+                       "this build of cpu_linear.cpp has no weight-only int4 panels (AVX2 without AVX-512 only)")
 
 
 def _run_linear(code: int, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, kernel,

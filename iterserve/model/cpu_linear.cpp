@@ -31,10 +31,22 @@ namespace {
 constexpr int kPanel = 32;           // outputs per panel: two AVX-512 vectors, or four AVX2 ones
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream
 
+// A panel handle: a pointer to W's values, or (AVX2) Int4Panel. From how many tiles of rows on a panel is
+// widened to float32 once (widen_panel) rather than each weight for each tile; 0: never.
+template <typename P>
+constexpr int kWidenTiles = 0;
+
+template <typename W>
+inline const W* panel_at(const W* panels, int64_t p, int64_t K) { return panels + p * K * kPanel; }
+// What a tile of rows from m0 on reads of a panel handle, where the handle carries per-row values.
+template <typename W>
+inline const W* rows_from(const W* panel, int64_t) { return panel; }
+template <typename W, typename T>
+inline const W* for_rows(const W* panels, const T*, int64_t, int64_t, int64_t, int) { return panels; }
+
 #if defined(__AVX512F__)
 
 constexpr int kRows = 12;  // rows per register tile: 24 accumulators, 2 weight vectors, 1 broadcast
-constexpr int kWidenTiles = 0;  // widen_panel: not measured on AVX-512, where a k's widening serves 24 FMAs
 
 inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen(const uint16_t* p) { return load16(p); }
@@ -267,33 +279,20 @@ void linear_int8(const T* x, int64_t ldx, const int8_t* panels, const T* bias, T
 #elif defined(ITERSERVE_LINEAR)  // AVX2 + FMA
 
 constexpr int kRows = 6;  // rows per register tile (see tile below)
-constexpr int kWidenTiles = 8;  // widen_panel from this many tiles (M > 42), where it was measured to pay
+template <>  // bf16 (M > 42), where it was measured to pay; on AVX-512 not measured: a k's widening serves 24 FMAs
+constexpr int kWidenTiles<const uint16_t*> = 8;
 
-// As the AVX-512 tile, over 8-lane vectors: V of them, the columns c0 .. c0 + 8V of the panel (w, y and
-// bias start at c0; `valid` counts from there). Columns past the matrix's N are summed too (the
-// padding is zeros) and only the valid ones stored.
-template <int R, int V, bool Packed, typename W, typename T>
-inline void tile_columns(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid,
-                         const T* bias) {
-    __m256 a[R][V];
+template <int R, int V>
+inline void zero_tile(__m256 (&a)[R][V]) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
         for (int v = 0; v < V; ++v) a[r][v] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; ++k) {
-        const W* wk = w + k * kPanel;
-        for (size_t b = 0; b < 8 * V * sizeof(W); b += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch + b, _MM_HINT_T0);
-        __m256 wv[V];
-#pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) wv[v] = load8(wk + 8 * v);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-            const __m256 xb = _mm256_broadcast_ss(Packed ? x + k * R + r : x + r * ldx + k);
-#pragma GCC unroll 4
-            for (int v = 0; v < V; ++v) a[r][v] = _mm256_fmadd_ps(xb, wv[v], a[r][v]);
-        }
-    }
+}
+
+// A tile's sums (+ bias) rounded to T and stored: R rows of its 8V columns' `valid` first.
+template <int R, int V, typename T>
+inline void store_columns(__m256 (&a)[R][V], T* y, int64_t ldy, int valid, const T* bias) {
     float b[8 * V] = {};
     if (bias)
         for (int j = 0; j < valid; ++j) b[j] = to_f32(bias[j]);
@@ -313,6 +312,30 @@ inline void tile_columns(const float* x, int64_t ldx, const W* w, int64_t K, T* 
     }
 }
 
+// As the AVX-512 tile, over 8-lane vectors: V of them, the columns c0 .. c0 + 8V of the panel (w, y and
+// bias start at c0; `valid` counts from there). Columns past the matrix's N are summed too (the
+// padding is zeros) and only the valid ones stored.
+template <int R, int V, bool Packed, typename W, typename T>
+inline void tile_columns(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid,
+                         const T* bias) {
+    __m256 a[R][V];
+    zero_tile(a);
+    for (int64_t k = 0; k < K; ++k) {
+        const W* wk = w + k * kPanel;
+        for (size_t b = 0; b < 8 * V * sizeof(W); b += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetch + b, _MM_HINT_T0);
+        __m256 wv[V];
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) wv[v] = load8(wk + 8 * v);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const __m256 xb = _mm256_broadcast_ss(Packed ? x + k * R + r : x + r * ldx + k);
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) a[r][v] = _mm256_fmadd_ps(xb, wv[v], a[r][v]);
+        }
+    }
+    store_columns(a, y, ldy, valid, bias);
+}
 // Up to 3 rows take the panel's 32 columns in one pass (12 accumulators, 4 weight vectors): a small
 // batch streams each panel once. 4-6 rows take it in two passes of 16 columns, the classic 6 x 16
 // AVX2 register tile: 2 weight loads and 6 broadcasts per 12 FMAs, where 3 x 32 needs 12 loads
@@ -328,6 +351,127 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64
     }
 }
 
+// Weight-only int4 (--quantization int4, AVX2 without AVX-512): a panel is K / kInt4Group groups, each
+// its codes, 16 bytes a k (byte j: column j in the low nibble, column j + 16 in the high one), then the
+// group's bf16 scale and minimum of each column: w = q * scale + minimum, Q4_1's scheme, 0.625 bytes a
+// weight in one forward stream. A tile sums x . q over a group in registers (8 codes: a widening load, a
+// mask or a shift, a conversion; no multiply), then adds scale * that + minimum * (the group's sum of x).
+// Against a first version that dequantized each weight in the tile (per 8 codes an FMA, two loads and a
+// shuffle more), 1.5x at one row (4608 x 576, in cache; docs/performance.md).
+constexpr int kInt4Group = 32;
+constexpr int64_t kInt4GroupBytes = kInt4Group * kPanel / 2 + 2 * kPanel * 2;
+
+struct Int4Panel {  // the panels' bytes, or one panel's; x_sums: each group's sum of x, row by row
+    const uint8_t* p;
+    const float* x_sums;
+    int64_t groups;
+};
+template <>  // M > 18: 1.2-1.3x at 24-64 rows, measured; even at 2-3 tiles, within noise
+constexpr int kWidenTiles<Int4Panel> = 4;
+
+inline Int4Panel panel_at(Int4Panel panels, int64_t p, int64_t) {
+    return {panels.p + p * panels.groups * kInt4GroupBytes, panels.x_sums, panels.groups};
+}
+inline Int4Panel rows_from(Int4Panel panel, int64_t m0) {
+    return {panel.p, panel.x_sums + m0 * panel.groups, panel.groups};
+}
+// The rows' group sums, once a call: every panel's tiles read them.
+inline Int4Panel for_rows(Int4Panel panels, const float* x, int64_t ldx, int64_t M, int64_t K, int num_threads) {
+    static thread_local std::vector<float> sums;
+    const int64_t groups = K / kInt4Group;
+    sums.resize(size_t(M * groups));
+    float* out = sums.data();
+#pragma omp parallel for num_threads(num_threads) if (M * K > (1 << 16))
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < groups; ++g) {
+            __m256 sum = _mm256_setzero_ps();
+            for (int j = 0; j < kInt4Group; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(x + m * ldx + g * kInt4Group + j));
+            out[m * groups + g] = hsum8(sum);
+        }
+    return {panels.p, out, groups};
+}
+
+// The codes of columns C0 .. C0 + 8V at one k, as float32 vectors: bytes 0-7 widened hold columns 0-7
+// (low nibbles) and 16-23 (high), bytes 8-15 columns 8-15 and 24-31.
+template <int C0, int V>
+inline void int4_codes(const uint8_t* k_bytes, __m256 (&q)[V]) {
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) {
+        const int c = C0 + 8 * v;
+        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(k_bytes + c % 16)));
+        const __m256i codes = c < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(bytes, 4);
+        q[v] = _mm256_cvtepi32_ps(codes);
+    }
+}
+
+template <int R, int V, int C0, bool Packed>
+inline void tile_int4_columns(const float* x, int64_t ldx, Int4Panel panel, int64_t K, float* y, int64_t ldy,
+                              int valid, const float* bias) {
+    __m256 a[R][V];
+    zero_tile(a);
+    for (int64_t g = 0; g < K / kInt4Group; ++g) {
+        const uint8_t* group = panel.p + g * kInt4GroupBytes;
+        __m256 s[R][V];
+        zero_tile(s);
+        for (int j = 0; j < kInt4Group; ++j) {
+            const int64_t k = g * kInt4Group + j;
+            if (j % 2 == 0)  // 40 bytes on: every line of the stream, codes and scales
+                _mm_prefetch(reinterpret_cast<const char*>(group + j * (kInt4GroupBytes / kInt4Group)) + kPrefetch,
+                             _MM_HINT_T0);
+            __m256 q[V];
+            int4_codes<C0, V>(group + j * 16, q);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) {
+                const __m256 xb = _mm256_broadcast_ss(Packed ? x + k * R + r : x + r * ldx + k);
+#pragma GCC unroll 4
+                for (int v = 0; v < V; ++v) s[r][v] = _mm256_fmadd_ps(xb, q[v], s[r][v]);
+            }
+        }
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(group + kInt4Group * kPanel / 2) + C0;
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) {
+            const __m256 scale = load8(scales + 8 * v), minimum = load8(scales + kPanel + 8 * v);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r)
+                a[r][v] = _mm256_fmadd_ps(minimum, _mm256_broadcast_ss(panel.x_sums + r * panel.groups + g),
+                                          _mm256_fmadd_ps(s[r][v], scale, a[r][v]));
+        }
+    }
+    store_columns(a, y, ldy, valid, bias);
+}
+
+// As tile above: up to 2 rows in one pass over the panel's 32 columns, 3-6 in two of 16 (the group's
+// sums and the codes then fill the 16 registers).
+template <int R, bool Packed>
+inline void tile(const float* x, int64_t ldx, Int4Panel w, int64_t K, float* y, int64_t ldy, int valid,
+                 const float* bias) {
+    if constexpr (R <= 2) {
+        tile_int4_columns<R, 4, 0, Packed>(x, ldx, w, K, y, ldy, valid, bias);
+    } else {
+        tile_int4_columns<R, 2, 0, Packed>(x, ldx, w, K, y, ldy, std::min(valid, 16), bias);
+        if (valid > 16)
+            tile_int4_columns<R, 2, 16, Packed>(x, ldx, w, K, y + 16, ldy, valid - 16, bias ? bias + 16 : nullptr);
+    }
+}
+
+// A panel of int4 groups dequantized to float32 once, for a large batch's tiles (as widen_panel below).
+const float* widen_panel(Int4Panel w, int64_t K) {
+    static thread_local std::vector<float> wide;
+    wide.resize(size_t(K * kPanel));
+    for (int64_t g = 0; g < K / kInt4Group; ++g) {
+        const uint8_t* group = w.p + g * kInt4GroupBytes;
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(group + kInt4Group * kPanel / 2);
+        for (int j = 0; j < kInt4Group; ++j) {
+            __m256 q[4];
+            int4_codes<0, 4>(group + j * 16, q);
+            for (int v = 0; v < 4; ++v)
+                _mm256_storeu_ps(wide.data() + (g * kInt4Group + j) * kPanel + 8 * v,
+                                 _mm256_fmadd_ps(q[v], load8(scales + 8 * v), load8(scales + kPanel + 8 * v)));
+        }
+    }
+    return wide.data();
+}
+
 #endif
 
 #if defined(ITERSERVE_LINEAR)
@@ -335,7 +479,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64
 // A bf16 panel widened to float32 once, in this thread's buffer (K x kPanel floats, 72-196 KB for the
 // model's weights: it stays in L2 while the tiles of a large batch run over it), where otherwise each
 // of them would widen every weight again: on AVX2 that is two vector ops per 8 weights beside 12 FMAs.
-const float* widen_panel(const uint16_t* w, int64_t K) {
+[[maybe_unused]] const float* widen_panel(const uint16_t* w, int64_t K) {
     static thread_local std::vector<float> wide;
     wide.resize(size_t(K * kPanel));
     float* out = wide.data();
@@ -350,9 +494,8 @@ void tile_pairs(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, ui
 #endif
 
 // A tile of 1 .. kRows rows: R, the register tile's height, is a compile-time constant.
-template <bool Packed, bool Pairs, int R = 1, typename X, typename W, typename T>
-void tile_rows(int rows, const X* x, int64_t ldx, const W* w, int64_t K, T* y, int64_t ldy, int valid,
-               const T* bias) {
+template <bool Packed, bool Pairs, int R = 1, typename X, typename P, typename T>
+void tile_rows(int rows, const X* x, int64_t ldx, P w, int64_t K, T* y, int64_t ldy, int valid, const T* bias) {
     if (rows == R) {
         if constexpr (Pairs)
             tile_pairs<R>(x, ldx, w, K, y, ldy, valid, bias);
@@ -370,8 +513,8 @@ void tile_rows(int rows, const X* x, int64_t ldx, const W* w, int64_t K, T* y, i
 // float32 and interleaved k by k, so a tile is one short stream. Packing bf16 for the pairs tiles (a
 // scalar transpose) was 6% of a 512-token prefill and bought nothing: without it, 7-9% less time at
 // 64 and 512 rows (measured on Zen 4, docs/performance.md).
-template <typename W, typename T, bool Pairs = false>
-void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
+template <typename P, typename T, bool Pairs = false>
+void linear(const T* x, int64_t ldx, P panels, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
             int num_threads) {
     const int64_t num_panels = (N + kPanel - 1) / kPanel;
     const int64_t tiles = (M + kRows - 1) / kRows;
@@ -380,6 +523,7 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
     if (packed) buffer.resize(size_t(M * K));
     float* xp = buffer.data();
     auto first_row = [&](int64_t t) { return M * t / tiles; };
+    const P handle = for_rows(panels, x, ldx, M, K, num_threads);
 #pragma omp parallel num_threads(num_threads) if (num_panels > 1)
     {
         if (packed) {
@@ -394,10 +538,10 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
         for (int64_t p = 0; p < num_panels; ++p) {
             const int64_t n0 = p * kPanel;
             const int valid = int(std::min<int64_t>(kPanel, N - n0));
-            const W* w = panels + p * K * kPanel;
+            const P w = panel_at(handle, p, K);
             const T* b = bias ? bias + n0 : nullptr;
-            if constexpr (std::is_same_v<W, uint16_t> && !Pairs) {
-                if (kWidenTiles > 0 && tiles >= kWidenTiles) {
+            if constexpr (kWidenTiles<P> > 0 && !Pairs) {
+                if (tiles >= kWidenTiles<P>) {
                     const float* wide = widen_panel(w, K);
                     for (int64_t t = 0; t < tiles; ++t) {
                         const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
@@ -410,30 +554,38 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
                 const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
                 if constexpr (!Pairs) {
                     if (packed) {
-                        tile_rows<true, false>(int(rows), xp + m0 * K, 0, w, K, y + m0 * N + n0, N, valid, b);
+                        tile_rows<true, false>(int(rows), xp + m0 * K, 0, rows_from(w, m0), K, y + m0 * N + n0, N, valid, b);
                         continue;
                     }
                 }
                 if constexpr (Pairs || std::is_same_v<T, float>)
-                    tile_rows<false, Pairs>(int(rows), x + m0 * ldx, ldx, w, K, y + m0 * N + n0, N, valid, b);
+                    tile_rows<false, Pairs>(int(rows), x + m0 * ldx, ldx, rows_from(w, m0), K, y + m0 * N + n0, N,
+                                           valid, b);
             }
         }
     }
 }
 
 #if !defined(__AVX512F__)
-#define ITERSERVE_LINEAR_INT8_WEIGHTS 1
+#define ITERSERVE_LINEAR_WEIGHT_ONLY 1
 // Weight-only int8 (--quantization int8) under float32 x and y, on AVX2: the panels hold int8 codes
 // laid out as float panels are ([K][kPanel] each), then every output's float32 scale (symmetric, one
 // an output row). The tiles widen the codes in registers as they do bf16; the scales multiply y after.
 // torch's own weight-only int8 kernel is many times slower there (docs/performance.md).
-void linear_int8_weights(const float* x, int64_t ldx, const int8_t* panels, float* y, int64_t M, int64_t N,
-                         int64_t K, int num_threads) {
-    linear<int8_t, float>(x, ldx, panels, nullptr, y, M, N, K, num_threads);
+void linear_int8_weights(const float* x, int64_t ldx, const int8_t* panels, const float* bias, float* y, int64_t M,
+                         int64_t N, int64_t K, int num_threads) {
+    linear<const int8_t*, float>(x, ldx, panels, nullptr, y, M, N, K, num_threads);
     const float* scales = reinterpret_cast<const float*>(panels + (N + kPanel - 1) / kPanel * K * kPanel);
 #pragma omp parallel for num_threads(num_threads) if (M * N > (1 << 16))
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scales[n];
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] = y[m * N + n] * scales[n] + (bias ? bias[n] : 0.0f);
+}
+
+// Weight-only int4 (--quantization int4) under float32 x and y, on AVX2: Int4Panel's groups (above).
+// K is a multiple of kInt4Group.
+void linear_int4_weights(const float* x, int64_t ldx, const uint8_t* panels, const float* bias, float* y, int64_t M,
+                         int64_t N, int64_t K, int num_threads) {
+    linear<Int4Panel, float>(x, ldx, Int4Panel{panels, nullptr, K / kInt4Group}, bias, y, M, N, K, num_threads);
 }
 #endif
 
@@ -460,9 +612,9 @@ int iterserve_linear_pairs_supported() {
 #endif
 }
 
-// Whether this build takes dtype 6, weight-only int8 panels (AVX2 without AVX-512).
-int iterserve_linear_int8_weights_supported() {
-#if defined(ITERSERVE_LINEAR_INT8_WEIGHTS)
+// Whether this build takes dtypes 6 and 7, weight-only int8 and int4 panels (AVX2 without AVX-512).
+int iterserve_linear_weight_only_supported() {
+#if defined(ITERSERVE_LINEAR_WEIGHT_ONLY)
     return 1;
 #else
     return 0;
@@ -480,17 +632,22 @@ int iterserve_linear_int8_supported() {
 
 // dtype of x, the panels, bias and y: 0 float32, 1 bfloat16; 2 bfloat16 panels, the rest float32;
 // 3 bfloat16 throughout, the panels in the pairs layout; 4 / 5 int8 panels (w8a8) under float32 /
-// bfloat16 x, bias and y; 6 weight-only int8 panels under float32 x and y, no bias.
+// bfloat16 x, bias and y; 6 / 7 weight-only int8 / int4 panels under float32 x, bias and y (int4: K a
+// multiple of 32).
 // x rows ldx elements apart, y contiguous; bias may be null. Returns 0, or -1 where this build cannot
 // run it.
 int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, const void* bias, void* y,
                      int64_t M, int64_t N, int64_t K, int num_threads) {
 #if defined(ITERSERVE_LINEAR)
-    if (dtype == 6) {
-#if defined(ITERSERVE_LINEAR_INT8_WEIGHTS)
-        if (bias != nullptr) return -1;
-        linear_int8_weights(static_cast<const float*>(x), ldx, static_cast<const int8_t*>(panels),
-                            static_cast<float*>(y), M, N, K, num_threads);
+    if (dtype == 6 || dtype == 7) {
+#if defined(ITERSERVE_LINEAR_WEIGHT_ONLY)
+        if (dtype == 7 && K % kInt4Group) return -1;
+        if (dtype == 6)
+            linear_int8_weights(static_cast<const float*>(x), ldx, static_cast<const int8_t*>(panels),
+                                static_cast<const float*>(bias), static_cast<float*>(y), M, N, K, num_threads);
+        else
+            linear_int4_weights(static_cast<const float*>(x), ldx, static_cast<const uint8_t*>(panels),
+                                static_cast<const float*>(bias), static_cast<float*>(y), M, N, K, num_threads);
         return 0;
 #else
         return -1;
@@ -514,7 +671,7 @@ int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, 
                static_cast<float*>(y), M, N, K, num_threads);
     else if (dtype == 3)
 #if defined(ITERSERVE_LINEAR_PAIRS)
-        linear<uint16_t, uint16_t, true>(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(panels),
+        linear<const uint16_t*, uint16_t, true>(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(panels),
                                          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), M, N, K,
                                          num_threads);
 #else

@@ -4,11 +4,11 @@ At batch 1 a decode step reads every weight once and does almost no arithmetic p
 runs at memory speed: halving the bytes (int8) or quartering them (int4) is what makes llama.cpp
 fast there. Activations stay in the compute dtype; PyTorch's own CPU kernels dequantize the
 weight on the fly:
-  int8: torch.ops.aten._weight_int8pack_mm, one scale per output row (symmetric, [-127, 127]);
-        on AVX2 without AVX-512, where that kernel is many times slower than bf16 storage, the
-        same codes in cpu_linear.cpp's panels instead, widened in registers under float32 activations.
+  int8: torch.ops.aten._weight_int8pack_mm, one scale per output row (symmetric, [-127, 127]).
   int4: torch.ops.aten._weight_int4pack_mm_for_cpu, groups of 32 along K, a scale and a zero
         per group: w = (q - 8) * scale + zero, q in [0, 15].
+On AVX2 without AVX-512, where those kernels are many times slower than bf16 storage, the same codes
+go into cpu_linear.cpp's panels instead, dequantized in registers under float32 activations.
 Both are slower than a bf16 matmul once the batch is large (measured: ~2x at B=64 on this CPU),
 where the step is compute-bound: quantization is for small-batch, latency-bound serving.
 
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from iterserve.model import cpu_kernels
 
-INT4_GROUP = 32  # the GGUF block size, so a Q4_0/Q4_1 tensor maps group for group
+INT4_GROUP = cpu_kernels.INT4_GROUP  # the GGUF block size, so a Q4_0/Q4_1 tensor maps group for group
 
 
 @dataclass(slots=True)
@@ -65,24 +65,35 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.qweight.nbytes + (0 if self.panels else self.scales.nbytes)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.panels:  # float32 arithmetic, as bf16 storage on such a CPU
-            return cpu_kernels.linear_int8_weights(x.float(), self.qweight, *self.shape).to(x.dtype)
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+            return cpu_kernels.linear_int8_weights(x.float(), self.qweight, *self.shape, _float(bias)).to(x.dtype)
+        return _plus(torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales), bias)
 
 
 @dataclass(slots=True)
 class Int4Weight:
-    packed: torch.Tensor  # PyTorch's CPU int4 tile layout, [N, K / 2] uint8
-    scales_zeros: torch.Tensor  # [K / group, N, 2], compute dtype
+    packed: torch.Tensor  # PyTorch's CPU int4 tile layout, [N, K / 2] uint8, or cpu_kernels.pack_int4_weight_panels'
+    scales_zeros: torch.Tensor | None  # [K / group, N, 2], compute dtype, for torch's kernel; None beside the panels
     shape: torch.Size  # [N, K], as the float weight's
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_zeros.nbytes
+        return self.packed.nbytes + (self.scales_zeros.nbytes if self.scales_zeros is not None else 0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, INT4_GROUP, self.scales_zeros)
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.scales_zeros is None:  # the C++ kernel's panels: float32 arithmetic, as bf16 storage on AVX2
+            return cpu_kernels.linear_int4_weights(x.float(), self.packed, *self.shape, _float(bias)).to(x.dtype)
+        return _plus(torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
+                                                                self.scales_zeros), bias)
+
+
+def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return bias.float().contiguous() if bias is not None else None
+
+
+def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y + bias if bias is not None else y
 
 
 @dataclass(slots=True)
@@ -118,12 +129,23 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     """F.linear for a float or a packed weight; x [..., K] -> [..., N]."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
-    if isinstance(w, (PackedFloatWeight, PanelWeight)):
-        if x.dim() == 2:  # the model's [T, K] activations: no reshape and view, 121 times a decode step
-            return w(x, bias)
-        return w(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], w.shape[0])
-    y = w(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], w.shape[0])
-    return y + bias if bias is not None else y
+    if x.dim() == 2:  # the model's [T, K] activations: no reshape and view, 121 times a decode step
+        return w(x, bias)
+    return w(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], w.shape[0])
+
+
+def kernel_panels(w: Weight, x_dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
+    """The panels and dtype code with which cpu_linear.cpp's iterserve_linear runs w under activations of
+    x_dtype (cpu_kernels.linear_code; the weight-only panels take float32), or None where it does not."""
+    if isinstance(w, PanelWeight):
+        return w.panels, cpu_kernels.linear_code(x_dtype, w.panels)
+    if x_dtype != torch.float32:
+        return None
+    if isinstance(w, Int8Weight) and w.panels:
+        return w.qweight, cpu_kernels.INT8_WEIGHTS
+    if isinstance(w, Int4Weight) and w.scales_zeros is None:
+        return w.packed, cpu_kernels.INT4_WEIGHTS
+    return None
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
@@ -131,19 +153,22 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
     without AVX-512 the C++ kernel's panels: torch's weight-only int8 kernel there is many times slower
     than bf16 storage (docs/performance.md, 2026-12-02)."""
     q, scales = cpu_kernels.int8_codes(w)
-    if w.device.type == "cpu" and cpu_kernels.linear_int8_weights_supported():
+    if w.device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
         return Int8Weight(cpu_kernels.pack_int8_weight_panels(q, scales), scales, w.shape, panels=True)
     return Int8Weight(q.contiguous(), scales.to(w.dtype), w.shape)
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Weight:
-    """Asymmetric min/max, groups of INT4_GROUP along K (Q4_1's scheme)."""
+    """Asymmetric min/max, groups of INT4_GROUP along K (Q4_1's scheme). On AVX2 without AVX-512 the C++
+    kernel's panels (bf16 scales and minimums), as int8's."""
     n, k = w.shape
     assert k % INT4_GROUP == 0, f"int4 needs in_features divisible by {INT4_GROUP}, got {k}"
     wf = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
     lo, hi = wf.amin(dim=-1), wf.amax(dim=-1)
     scale = ((hi - lo) / 15).clamp(min=1e-10)
     q = torch.round((wf - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    if w.device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
+        return Int4Weight(cpu_kernels.pack_int4_weight_panels(q, scale, lo), None, w.shape)
     zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)  # 2 inner k-tiles: the CPU kernel's choice

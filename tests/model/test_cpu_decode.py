@@ -35,13 +35,17 @@ def empty_cache(model: LlamaModel, kv: str) -> torch.Tensor:
 
 
 W8A8 = pytest.param("bfloat16", "auto", "w8a8", marks=needs_int8)
+needs_weight_only = pytest.mark.skipif(not cpu_kernels.linear_weight_only_supported(),
+                                       reason="weight-only int8/int4 run on torch's kernels here (AVX-512)")
+WEIGHT_ONLY = [pytest.param("float32", kv, mode, marks=needs_weight_only)
+               for mode, kv in [("int8", "auto"), ("int4", "auto"), ("int4", "int8")]]
 
 
 @needs_kernels
 @pytest.mark.parametrize("family", ["llama", "llama3.2", "mistral", "qwen2", "granite", "phi3"])
 @pytest.mark.parametrize("dtype,kv,quantization", [("float32", "auto", None), ("bfloat16", "auto", None),
                                                    ("bf16-storage", "bfloat16", None), ("bfloat16", "int8", None),
-                                                   ("bf16-storage", "int8", None), W8A8])
+                                                   ("bf16-storage", "int8", None), W8A8, *WEIGHT_ONLY])
 def test_decode_steps_in_c_give_the_python_loops_logits_and_cache(tmp_path, family, dtype, kv, quantization,
                                                                   monkeypatch):
     build_checkpoint(tmp_path, family)
@@ -97,9 +101,14 @@ def test_layers_it_does_not_implement_keep_the_python_loop(tmp_path, family):
 
 
 @needs_kernels
-def test_weight_only_quantized_layers_keep_the_python_loop(tmp_path):
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_weight_only_layers_on_torchs_kernels_keep_the_python_loop(tmp_path, monkeypatch, mode):
+    """Weight-only int8/int4 in torch's layouts (AVX-512 builds), or under bfloat16 arithmetic (the panels
+    take float32): DecodeLayers.build declines."""
     build_checkpoint(tmp_path, "llama")
-    assert model_of(tmp_path, "float32", "int8").decode_layers is None  # torch's int8 kernels, not panels
+    assert model_of(tmp_path, "bfloat16", mode).decode_layers is None
+    monkeypatch.setattr(cpu_kernels, "linear_weight_only_supported", lambda flags=(): False)
+    assert model_of(tmp_path, "float32", mode).decode_layers is None
 
 
 @needs_kernels

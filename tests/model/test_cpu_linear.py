@@ -320,29 +320,54 @@ def test_w8a8_is_refused_where_the_kernel_cannot_run(monkeypatch):
         quant.check_supported("w8a8", torch.device("cpu"))
 
 
-AVX2_BUILD = ("-mno-avx512f",)  # weight-only int8 panels are the AVX2 build's (any x86 CPU with AVX2 runs it)
-needs_int8_weights = pytest.mark.skipif(not cpu_kernels.linear_int8_weights_supported(AVX2_BUILD),
+AVX2_BUILD = ("-mno-avx512f",)  # weight-only int8/int4 panels are the AVX2 build's (any x86 CPU with AVX2 runs it)
+needs_weight_only = pytest.mark.skipif(not cpu_kernels.linear_weight_only_supported(AVX2_BUILD),
                                         reason="no AVX2 build of cpu_linear.cpp here")
 
 
-@needs_int8_weights
+@needs_weight_only
 @pytest.mark.parametrize("m,n,k", SHAPES + [(7, 65, 1536)])
 def test_int8_weight_panels_compute_codes_times_scales(m, n, k):
     """Weight-only int8 (--quantization int8 on AVX2): the codes widened exactly, summed in float32, times
-    each row's scale: the product with the dequantized weight, to float32 rounding."""
+    each row's scale (+ bias): the product with the dequantized weight, to float32 rounding."""
     torch.manual_seed(5 * m + n + k)
     q, scales = cpu_kernels.int8_codes(torch.randn(n, k))
     x = torch.randn(m, 3, k)[:, 1]  # rows 3 k apart: read in place
     panels = cpu_kernels.pack_int8_weight_panels(q, scales)
-    got = cpu_kernels.linear_int8_weights(x, panels, n, k, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
-    assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
-    torch.testing.assert_close(got, x @ (q.float() * scales[:, None]).t(), atol=1e-4 * k ** 0.5, rtol=1e-5)
+    for bias in (None, torch.randn(n)):
+        got = cpu_kernels.linear_int8_weights(x, panels, n, k, bias, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
+        assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
+        want = torch.nn.functional.linear(x, q.float() * scales[:, None], bias)
+        torch.testing.assert_close(got, want, atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
+INT4_SHAPES = [(1, 64, 64), (5, 200, 96), (3, 33, 32), (6, 17, 64), (13, 100, 320), (40, 47, 512), (0, 70, 32),
+               (50, 65, 1536)]  # 50 rows: the large-batch path, each panel dequantized once
+
+
+@needs_weight_only
+@pytest.mark.parametrize("m,n,k", INT4_SHAPES)
+def test_int4_weight_panels_compute_codes_times_scales_plus_minimums(m, n, k):
+    """Weight-only int4 (--quantization int4 on AVX2): each group's codes times its scale plus its minimum
+    (bf16 both), summed in float32 (+ bias): the product with that dequantized weight, to float32 rounding."""
+    torch.manual_seed(7 * m + n + k)
+    groups = k // cpu_kernels.INT4_GROUP
+    q = torch.randint(0, 16, (n, k))
+    scales = (torch.rand(n, groups) + 0.1).bfloat16().float()  # what the panels hold, so exact
+    minimums = torch.randn(n, groups).bfloat16().float()
+    w = q * scales.repeat_interleave(cpu_kernels.INT4_GROUP, 1) + minimums.repeat_interleave(cpu_kernels.INT4_GROUP, 1)
+    x = torch.randn(m, 3, k)[:, 1]
+    panels = cpu_kernels.pack_int4_weight_panels(q, scales, minimums)
+    for bias in (None, torch.randn(n)):
+        got = cpu_kernels.linear_int4_weights(x, panels, n, k, bias, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
+        assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), atol=1e-4 * k ** 0.5, rtol=1e-5)
 
 
 @needs_kernel
-def test_int8_weight_panels_are_declined_by_a_build_without_them():
-    """Where the build has AVX-512 (its own w8a8 panels instead), code 6 is refused, never misread."""
-    declining = [flags for flags in [(), AVX2_BUILD] if not cpu_kernels.linear_int8_weights_supported(flags)]
+def test_weight_only_panels_are_declined_by_a_build_without_them():
+    """Where the build has AVX-512 (its own w8a8 panels instead), codes 6 and 7 are refused, never misread."""
+    declining = [flags for flags in [(), AVX2_BUILD] if not cpu_kernels.linear_weight_only_supported(flags)]
     if not declining:
         pytest.skip("every build here has them (AVX2 without AVX-512)")
     q, scales = cpu_kernels.int8_codes(torch.randn(40, 64))
@@ -350,3 +375,7 @@ def test_int8_weight_panels_are_declined_by_a_build_without_them():
     for flags in declining:
         with pytest.raises(ValueError, match="weight-only int8"):
             cpu_kernels.linear_int8_weights(torch.randn(2, 64), panels, 40, 64, kernel=cpu_kernels.linear_kernel(flags))
+    panels = cpu_kernels.pack_int4_weight_panels(torch.randint(0, 16, (40, 64)), torch.ones(40, 2), torch.zeros(40, 2))
+    for flags in declining:
+        with pytest.raises(ValueError, match="weight-only int4"):
+            cpu_kernels.linear_int4_weights(torch.randn(2, 64), panels, 40, 64, kernel=cpu_kernels.linear_kernel(flags))

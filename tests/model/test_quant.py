@@ -34,17 +34,20 @@ def test_packed_linear_matches_float(mode, tol):
                                atol=0.1, rtol=0.02)
 
 
-def test_int8_takes_the_kernels_panels_where_the_build_has_them(monkeypatch):
-    """On AVX2 without AVX-512 weight-only int8 runs on cpu_linear.cpp's panels, elsewhere on torch's
-    kernel; the same product either way."""
+@pytest.mark.parametrize("mode,tol", [("int8", 1e-4), ("int4", 2e-2)])
+def test_weight_only_takes_the_kernels_panels_where_the_build_has_them(monkeypatch, mode, tol):
+    """On AVX2 without AVX-512 weight-only int8 and int4 run on cpu_linear.cpp's panels, elsewhere on
+    torch's kernels; the same product either way (int4: up to its scales' rounding, bf16 on the panels,
+    float32 in torch's layout here)."""
     torch.manual_seed(1)
-    w, x = torch.randn(70, 96), torch.randn(3, 96)
-    ours = quantize(w, "int8")
-    assert ours.panels == cpu_kernels.linear_int8_weights_supported()
-    monkeypatch.setattr(cpu_kernels, "linear_int8_weights_supported", lambda flags=(): False)
-    torchs = quantize(w, "int8")
-    assert not torchs.panels and torchs.qweight.shape == (70, 96)
-    torch.testing.assert_close(linear(x, ours), linear(x, torchs), atol=1e-4, rtol=1e-4)
+    w, x = torch.randn(80, 96), torch.randn(3, 96)  # torch's int4 layout takes N in multiples of 16
+    ours = quantize(w, mode)
+    on_panels = ours.panels if mode == "int8" else ours.scales_zeros is None
+    assert on_panels == cpu_kernels.linear_weight_only_supported()
+    monkeypatch.setattr(cpu_kernels, "linear_weight_only_supported", lambda flags=(): False)
+    torchs = quantize(w, mode)
+    assert (not torchs.panels and torchs.qweight.shape == (80, 96)) if mode == "int8" else torchs.scales_zeros is not None
+    torch.testing.assert_close(linear(x, ours), linear(x, torchs), atol=tol * 10, rtol=tol)
 
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
