@@ -30,7 +30,7 @@ from iterserve.model.attention import in_pairs, pairs_to_rows, rows_to_pairs
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model import weight_cache
-from iterserve.model.cpu_kernels import cpu_has_bf16, linear_kernel, prebuild
+from iterserve.model.cpu_kernels import cpu_has_bf16, linear_kernel, linear_weight_only_supported, prebuild
 from iterserve.model.loader import ModelArch, default_model_path
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
@@ -62,17 +62,20 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 def storage_dtype(name: str, device: torch.device, quantization: str | None = None) -> torch.dtype:
     """The dtype the weights and the KV cache are kept in: the arithmetic's, except under bf16-storage
     (asked for, or `auto` on a CPU without bf16 instructions), where bfloat16 halves the bytes every step
-    streams while the panel kernel widens them in registers for float32 arithmetic."""
+    streams while the panel kernel widens them in registers for float32 arithmetic. Weight-only int8/int4
+    on the kernel's own panels (AVX2) run under it too: their codes come from the bfloat16 weights, and the
+    KV cache and the other weights stay bfloat16."""
     compute = pick_dtype(name, device)
+    panels = quantization is None or (quantization in ("int8", "int4") and linear_weight_only_supported())
     if name == "bf16-storage":
         if device.type != "cpu" or linear_kernel() is None:
             raise ValueError("--dtype bf16-storage needs the CPU linear kernel (cpu_linear.cpp: AVX-512, or AVX2 with FMA); "
                              "use --dtype float32 or bfloat16 here")
-        if quantization is not None:
-            raise ValueError("--dtype bf16-storage keeps float weights; with --quantization use --dtype float32")
+        if not panels:
+            raise ValueError(f"--dtype bf16-storage runs --quantization {quantization} on this CPU's build only "
+                             "through PyTorch's kernels, which take the arithmetic's dtype: use --dtype float32")
         return torch.bfloat16
-    if name == "auto" and compute == torch.float32 and device.type == "cpu" and quantization is None and \
-            linear_kernel() is not None:
+    if name == "auto" and compute == torch.float32 and device.type == "cpu" and panels and linear_kernel() is not None:
         return torch.bfloat16
     return compute
 

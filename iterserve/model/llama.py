@@ -98,9 +98,12 @@ class LlamaModel:
         norm = w["model.norm.weight"]  # every family has it, in the weights' dtype; the embedding may go unread
         self.dtype, self.device, self.weight_dtype = dtype or norm.dtype, norm.device, norm.dtype
         mixed = self.dtype != norm.dtype
-        if mixed and (quantization is not None or self.dtype != torch.float32 or norm.dtype != torch.bfloat16):
-            raise ValueError(f"float32 arithmetic over bfloat16 weights only, without --quantization; got "
-                             f"{norm.dtype} weights, {self.dtype} arithmetic, quantization {quantization}")
+        weight_only_panels = quantization in ("int8", "int4") and cpu_kernels.linear_weight_only_supported()
+        if mixed and (quantization is not None and not weight_only_panels or self.dtype != torch.float32 or
+                      norm.dtype != torch.bfloat16):
+            raise ValueError(f"float32 arithmetic over bfloat16 weights only, without --quantization or with "
+                             f"int8/int4 on the kernel's panels (AVX2); got {norm.dtype} weights, {self.dtype} "
+                             f"arithmetic, quantization {quantization}")
         n = max_positions or cfg.max_position_embeddings
         # Gemma's embedding scale, rounded to the compute dtype as transformers does; None: 1
         self.embed_scale = None if cfg.embedding_multiplier == 1.0 else \

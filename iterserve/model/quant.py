@@ -162,7 +162,9 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
     """Asymmetric min/max, groups of INT4_GROUP along K (Q4_1's scheme). On AVX2 without AVX-512 the C++
     kernel's panels (bf16 scales and minimums), as int8's."""
     n, k = w.shape
-    assert k % INT4_GROUP == 0, f"int4 needs in_features divisible by {INT4_GROUP}, got {k}"
+    if k % INT4_GROUP:
+        raise ValueError(f"--quantization int4 quantizes in groups of {INT4_GROUP} inputs; this model has a linear "
+                         f"layer of {k} inputs: use int8 instead")
     wf = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
     lo, hi = wf.amin(dim=-1), wf.amax(dim=-1)
     scale = ((hi - lo) / 15).clamp(min=1e-10)

@@ -137,9 +137,10 @@ def test_attributes(runner):
     assert runner.kv_cache.shape == (30, 2, 128, BS, 3, 64)
 
 
-def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(runner):
+def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(runner, monkeypatch):
     """The default on a CPU without bf16 instructions (where the kernels build): half float32's bytes
     per step and per cached token, float32 arithmetic; greedy tokens as the float32 runner's here."""
+    from iterserve.executor import model_runner
     from iterserve.executor.model_runner import storage_dtype
     from iterserve.model import cpu_kernels
     from iterserve.model.quant import PanelWeight
@@ -153,11 +154,18 @@ def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(r
     assert isinstance(qkv, PanelWeight) and qkv.panels.dtype == torch.bfloat16
     cpu = torch.device("cpu")
     # auto keeps bfloat16 either way: as the arithmetic's dtype on a bf16 CPU, under float32 arithmetic elsewhere
-    # (but beside quantized weights, which keep the arithmetic's dtype)
+    # (beside weight-only int8/int4 too where they run on the kernel's panels; torch's kernels and w8a8 take
+    # the arithmetic's dtype)
     assert storage_dtype("auto", cpu) == torch.bfloat16
-    assert storage_dtype("auto", cpu, "int8") == (torch.bfloat16 if cpu_kernels.cpu_has_bf16() else torch.float32)
-    with pytest.raises(ValueError, match="quantization"):
-        storage_dtype("bf16-storage", cpu, "int4")
+    bf16_cpu, weight_only = cpu_kernels.cpu_has_bf16(), cpu_kernels.linear_weight_only_supported()
+    assert storage_dtype("auto", cpu, "int8") == (torch.bfloat16 if bf16_cpu or weight_only else torch.float32)
+    assert storage_dtype("auto", cpu, "w8a8") == (torch.bfloat16 if bf16_cpu else torch.float32)
+    if weight_only:
+        assert storage_dtype("bf16-storage", cpu, "int4") == torch.bfloat16
+    with monkeypatch.context() as m:
+        m.setattr(model_runner, "linear_weight_only_supported", lambda flags=(): False)
+        with pytest.raises(ValueError, match="quantization int4"):
+            storage_dtype("bf16-storage", cpu, "int4")
     prompt = list(range(100, 140))
 
     def greedy(r):

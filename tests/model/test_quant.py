@@ -112,6 +112,11 @@ def test_int4_recovers_a_q4_1_grid():
     assert ((got - exact).abs() < d / 4).all()  # every code comes back; the rest is bf16 rounding
 
 
+def test_int4_refuses_inputs_it_cannot_group():
+    with pytest.raises(ValueError, match="groups of 32 inputs; this model has a linear layer of 48 inputs"):
+        quantize_int4(torch.randn(16, 48))
+
+
 # ------------------------------------------------------------ the engine, vs float32
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
