@@ -119,9 +119,8 @@ class ModelRunner:
             path = mc.model or default_model_path()
             pending_tokenizer = _load_tokenizer_aside(path)
             arch, weights = weight_cache.load_arch_and_weights(path, load_dtype, self.device)
-            if mc.quantization in (None, "w8a8"):
-                panel_cache = weight_cache.panel_cache(path, load_dtype, self.device, load_dtype != self.dtype,
-                                                       mc.quantization)
+            panel_cache = weight_cache.panel_cache(path, load_dtype, self.device, load_dtype != self.dtype,
+                                                   mc.quantization)
         assert arch is not None, "weights given without their arch"
         self.arch = cfg = arch
         self.vocab_size = cfg.vocab_size

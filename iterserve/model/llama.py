@@ -120,9 +120,7 @@ class LlamaModel:
 
         def pack(name: str, read, mode: str | None = quantization) -> Weight:
             """The weight `name` as the model runs it (quantized in `mode`), from read() (its float tensor) or
-            from the cache, which holds float panels and w8a8's int8 ones."""
-            if mode not in (None, "w8a8"):
-                return quantize(read(), mode)
+            from the cache, which holds the panels of the C++ kernel (weight_cache.PanelCache)."""
             build = (lambda: quantize(read(), mode)) if mode else (lambda: pack_float(read(), panels=mixed))  # noqa: E731
             return build() if panel_cache is None else panel_cache.weight(name, build)
 

@@ -148,6 +148,30 @@ def kernel_panels(w: Weight, x_dtype: torch.dtype) -> tuple[torch.Tensor, int] |
     return None
 
 
+def panel_tensor(w: Weight) -> tuple[torch.Tensor, str] | None:
+    """For the weight cache: the one tensor a weight on the C++ kernel's panels is, and its kind ("panels":
+    pack_panels' or w8a8's; "int8" / "int4": weight-only); None for any other weight."""
+    if isinstance(w, PanelWeight):
+        return w.panels, "panels"
+    if isinstance(w, Int8Weight) and w.panels:
+        return w.qweight, "int8"
+    if isinstance(w, Int4Weight) and w.scales_zeros is None:
+        return w.packed, "int4"
+    return None
+
+
+def from_panel_tensor(kind: str, t: torch.Tensor, shape: torch.Size) -> Weight:
+    """The weight panel_tensor gave (t, kind) for, of this [N, K] shape."""
+    if kind == "int8":  # the row scales are the panels' tail
+        padded = -(-shape[0] // cpu_kernels.PANEL) * cpu_kernels.PANEL
+        return Int8Weight(t, t[t.numel() - 4 * padded:].view(torch.float32)[:shape[0]], shape, panels=True)
+    if kind == "int4":
+        return Int4Weight(t, None, shape)
+    if kind != "panels":
+        raise ValueError(f"no weight of kind {kind!r}")
+    return PanelWeight(t, shape)
+
+
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
     """Symmetric, one scale per output row (cpu_kernels.int8_codes, as w8a8's panels hold them). On AVX2
     without AVX-512 the C++ kernel's panels: torch's weight-only int8 kernel there is many times slower

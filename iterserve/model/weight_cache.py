@@ -9,7 +9,8 @@ pure functions of the file, so their results are kept beside the kernels' build 
         model.safetensors   the dequantized float32 weights (HF names; q/k/v and gate/up fused as the
                             model runs them), the ModelArch in its header
         panels-<dtype>.safetensors   the linear weights packed for the CPU kernel (PanelCache), per dtype
-                            and layout; panels-<dtype>-w8a8 their int8 panels (--quantization w8a8)
+                            and layout; panels-<dtype>-w8a8 / -int8 / -int4 their int8 or int4 panels
+                            (--quantization w8a8, or int8 / int4 where the kernel takes them: AVX2)
         tokenizer/          the tokenizer as transformers' save_pretrained writes it, and beside it what
                             the serving tokenizer reads (model/tokenizer.py: no transformers import)
 
@@ -50,7 +51,7 @@ from iterserve.model import cpu_kernels, loader, tokenizer
 from iterserve.model.cpu_kernels import cache_dir
 from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
 from iterserve.model.loader import ModelArch
-from iterserve.model.quant import PanelWeight, Weight, panel_layout
+from iterserve.model.quant import Weight, from_panel_tensor, panel_layout, panel_tensor
 
 logger = logging.getLogger("iterserve.model")
 
@@ -272,14 +273,14 @@ class PanelCache:
     def __init__(self, file: Path, key: str) -> None:
         self.file, self.key = file, key
         self.mapped = _map_panels(file, key) if file.exists() else {}
-        self.built: dict[str, PanelWeight] = {}
+        self.built: dict[str, Weight] = {}
 
     def weight(self, name: str, build) -> Weight:
         """The cached panels of `name`, or build() (recorded for save() where it gives panels)."""
         if name in self.mapped:
             return self.mapped[name]
         weight = build()
-        if isinstance(weight, PanelWeight):
+        if panel_tensor(weight) is not None:
             self.built[name] = weight
         return weight
 
@@ -292,10 +293,12 @@ class PanelCache:
             return
         from safetensors.torch import save_file
         tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
+        tensors = {n: panel_tensor(w) for n, w in self.built.items()}
         meta = {"key": self.key, "out_features": json.dumps({n: w.shape[0] for n, w in self.built.items()}),
-                "in_features": json.dumps({n: w.shape[1] for n, w in self.built.items()})}
+                "in_features": json.dumps({n: w.shape[1] for n, w in self.built.items()}),
+                "kinds": json.dumps({n: kind for n, (_, kind) in tensors.items()})}
         try:
-            save_file({n: w.panels for n, w in self.built.items()}, str(tmp), metadata=meta)
+            save_file({n: t for n, (t, _) in tensors.items()}, str(tmp), metadata=meta)
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -313,22 +316,25 @@ class PanelCache:
 def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool = False,
                 quantization: str | None = None) -> PanelCache | None:
     """The model file's panel cache for weights of `dtype` (mixed: under float32 arithmetic, which takes
-    the plain layout whatever the CPU), or for w8a8's int8 panels (quantization "w8a8", from weights of
-    `dtype`); None where the file is not cached or this CPU's kernel takes no panels of that kind."""
+    the plain layout whatever the CPU), or for w8a8's int8 panels or weight-only int8/int4's (quantization
+    "w8a8", "int8" or "int4", from weights of `dtype`); None where the file is not cached or this CPU's
+    kernel takes no panels of that kind."""
     layout = None
     if device.type == "cpu" and quantization == "w8a8":
         layout = "w8a8" if cpu_kernels.linear_int8_supported() else None
+    elif device.type == "cpu" and quantization in ("int8", "int4"):
+        layout = quantization if cpu_kernels.linear_weight_only_supported() else None
     elif device.type == "cpu" and quantization is None:
         layout = "plain" if mixed and cpu_kernels.linear_kernel() is not None else panel_layout(dtype)
     entry = entry_dir(path) if layout is not None else None
     if entry is None:
         return None
-    name = str(dtype).removeprefix("torch.") + (f"-{layout}" if layout in ("pairs", "w8a8") else "")
-    group = f"-{cpu_kernels.INT8_GROUP}" if layout == "w8a8" else ""
+    name = str(dtype).removeprefix("torch.") + (f"-{layout}" if layout not in ("plain", None) else "")
+    group = {"w8a8": f"-{cpu_kernels.INT8_GROUP}", "int4": f"-{cpu_kernels.INT4_GROUP}"}.get(layout, "")
     return PanelCache(entry / f"panels-{name}.safetensors", f"{entry.name}-{name}-{cpu_kernels.PANEL}{group}")
 
 
-def _map_panels(file: Path, key: str) -> dict[str, PanelWeight]:
+def _map_panels(file: Path, key: str) -> dict[str, Weight]:
     """The file's panels by name, as views of a private mapping of it; empty (with a warning, the file
     removed) if it is not a good one. Mapped here rather than by safetensors, whose reader touches each
     tensor's first page as it hands it out: the mapping is advised for huge pages before any page is read,
@@ -345,11 +351,13 @@ def _map_panels(file: Path, key: str) -> dict[str, PanelWeight]:
             raise ValueError(f"written for key {meta.get('key')!r}, not {key!r}")
         out_features = json.loads(meta["out_features"])
         in_features = json.loads(meta.get("in_features", "{}"))  # older files: float panels, whose K is their own
+        kinds = json.loads(meta.get("kinds", "{}"))  # older files: "panels" only
         panels = {}
         for name, info in header.items():
             dtype, shape = _SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
             begin, end = (8 + length + o for o in info["data_offsets"])
-            rank_ok = len(shape) == 2 if dtype == torch.int8 else len(shape) in (3, 4)  # int8: w8a8's panels
+            rank_ok = len(shape) == 1 if kinds.get(name, "panels") != "panels" else \
+                len(shape) == 2 if dtype == torch.int8 else len(shape) in (3, 4)  # int8: w8a8's panels
             if not rank_ok or end > len(mapping) or end - begin != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"{name}: shape {shape} and offsets {info['data_offsets']} disagree")
             panels[name] = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=begin).view(shape)
@@ -360,11 +368,11 @@ def _map_panels(file: Path, key: str) -> dict[str, PanelWeight]:
         file.unlink(missing_ok=True)
         return {}
     logger.info("weight cache: packed weights mapped from %s", file)
-    return {name: PanelWeight(p, torch.Size((out_features[name], in_features.get(name, cpu_kernels.panel_in_features(p)))))
-            for name, p in panels.items()}
+    return {name: from_panel_tensor(kinds.get(name, "panels"), p, torch.Size(
+        (out_features[name], in_features.get(name) or cpu_kernels.panel_in_features(p)))) for name, p in panels.items()}
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8}
 
 
 # ---------------------------------------------------------------- tokenizer

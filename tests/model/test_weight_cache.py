@@ -14,10 +14,11 @@ from gguf import GGMLQuantizationType as Q
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
 from iterserve.model import cpu_kernels, loader, weight_cache
-from iterserve.model.quant import PanelWeight, panel_layout
+from iterserve.model.quant import Int4Weight, Int8Weight, panel_layout, panel_tensor
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.model.test_cpu_linear import needs_int8
+from tests.model.test_cpu_decode import needs_weight_only
 from tests.model.test_loader import write_tiny_gguf
 
 
@@ -168,7 +169,7 @@ def runner_of(path: str, **kwargs) -> ModelRunner:
 def panels_of(runner: ModelRunner) -> list[torch.Tensor]:
     model = runner.model
     weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return [w.panels for w in [*weights, model.lm_head] if isinstance(w, PanelWeight)]
+    return [t for t, _ in filter(None, map(panel_tensor, [*weights, model.lm_head]))]
 
 
 @needs_panels
@@ -235,9 +236,35 @@ def test_a_warm_w8a8_start_maps_the_int8_panels_a_cold_start_quantized(gguf, cac
     assert torch.equal(prompt_logits(cold), prompt_logits(warm))
 
 
+@needs_weight_only
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_warm_weight_only_start_maps_the_panels_a_cold_start_quantized(gguf, cache, monkeypatch, mode):
+    """Weight-only int8/int4 on the kernel's panels (AVX2): the int4 layers and the int8 LM head are
+    mapped from the file, their shapes and the logits as the cold start's."""
+    monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)
+    cold = runner_of(gguf, quantization=mode)
+    (file,) = entries(cache)[0].glob("panels-*.safetensors")
+    assert file.name == f"panels-{str(cold.storage_dtype).removeprefix('torch.')}-{mode}.safetensors"
+    warm = runner_of(gguf, quantization=mode)
+    assert str(file) in open_files()
+    layer_kind = Int4Weight if mode == "int4" else Int8Weight
+    assert isinstance(warm.model.layers[0].down, layer_kind) and isinstance(warm.model.lm_head, Int8Weight)
+    cold_panels, warm_panels = panels_of(cold), panels_of(warm)
+    assert len(cold_panels) == len(warm_panels) == 2 * 4 + 1
+    assert all(torch.equal(a, b) for a, b in zip(cold_panels, warm_panels))
+    assert torch.equal(warm.model.lm_head.scales, cold.model.lm_head.scales)
+    assert [w.shape for w in (warm.model.layers[0].down, warm.model.lm_head)] == \
+        [w.shape for w in (cold.model.layers[0].down, cold.model.lm_head)]
+    assert torch.equal(prompt_logits(cold), prompt_logits(warm))
+
+
 @needs_panels
 def test_quantized_and_uncached_models_write_no_panels(gguf, cache, monkeypatch):
+    """Weight-only int8 on torch's kernels (as on AVX-512) keeps no panels to cache."""
+    from iterserve.executor import model_runner
     monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)
+    for module in (cpu_kernels, model_runner):
+        monkeypatch.setattr(module, "linear_weight_only_supported", lambda flags=(): False)
     runner_of(gguf, dtype="float32", quantization="int8")
     assert not list(entries(cache)[0].glob("panels-*"))
     monkeypatch.setenv("ITERSERVE_WEIGHT_CACHE", "0")
