@@ -336,6 +336,7 @@ inline void tile_columns(const float* x, int64_t ldx, const W* w, int64_t K, T* 
     }
     store_columns(a, y, ldy, valid, bias);
 }
+
 // Up to 3 rows take the panel's 32 columns in one pass (12 accumulators, 4 weight vectors): a small
 // batch streams each panel once. 4-6 rows take it in two passes of 16 columns, the classic 6 x 16
 // AVX2 register tile: 2 weight loads and 6 broadcasts per 12 FMAs, where 3 x 32 needs 12 loads
@@ -385,7 +386,8 @@ inline Int4Panel for_rows(Int4Panel panels, const float* x, int64_t ldx, int64_t
     for (int64_t m = 0; m < M; ++m)
         for (int64_t g = 0; g < groups; ++g) {
             __m256 sum = _mm256_setzero_ps();
-            for (int j = 0; j < kInt4Group; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(x + m * ldx + g * kInt4Group + j));
+            const float* xg = x + m * ldx + g * kInt4Group;
+            for (int j = 0; j < kInt4Group; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(xg + j));
             out[m * groups + g] = hsum8(sum);
         }
     return {panels.p, out, groups};
@@ -554,7 +556,8 @@ void linear(const T* x, int64_t ldx, P panels, const T* bias, T* y, int64_t M, i
                 const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
                 if constexpr (!Pairs) {
                     if (packed) {
-                        tile_rows<true, false>(int(rows), xp + m0 * K, 0, rows_from(w, m0), K, y + m0 * N + n0, N, valid, b);
+                        tile_rows<true, false>(int(rows), xp + m0 * K, 0, rows_from(w, m0), K, y + m0 * N + n0, N,
+                                               valid, b);
                         continue;
                     }
                 }

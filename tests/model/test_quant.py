@@ -46,7 +46,10 @@ def test_weight_only_takes_the_kernels_panels_where_the_build_has_them(monkeypat
     assert on_panels == cpu_kernels.linear_weight_only_supported()
     monkeypatch.setattr(cpu_kernels, "linear_weight_only_supported", lambda flags=(): False)
     torchs = quantize(w, mode)
-    assert (not torchs.panels and torchs.qweight.shape == (80, 96)) if mode == "int8" else torchs.scales_zeros is not None
+    if mode == "int8":
+        assert not torchs.panels and torchs.qweight.shape == (80, 96)
+    else:
+        assert torchs.scales_zeros is not None
     torch.testing.assert_close(linear(x, ours), linear(x, torchs), atol=tol * 10, rtol=tol)
 
 
