@@ -30,8 +30,9 @@ from iterserve.model.attention import in_pairs, pairs_to_rows, rows_to_pairs
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model import weight_cache
-from iterserve.model.cpu_kernels import cpu_has_bf16, linear_kernel, linear_weight_only_supported, prebuild
+from iterserve.model.cpu_kernels import cpu_has_bf16, linear_kernel, prebuild
 from iterserve.model.loader import ModelArch, default_model_path
+from iterserve.model.quant import weight_only_on_panels
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
 
@@ -66,7 +67,7 @@ def storage_dtype(name: str, device: torch.device, quantization: str | None = No
     on the kernel's own panels (AVX2) run under it too: their codes come from the bfloat16 weights, and the
     KV cache and the other weights stay bfloat16."""
     compute = pick_dtype(name, device)
-    panels = quantization is None or (quantization in ("int8", "int4") and linear_weight_only_supported())
+    panels = quantization is None or weight_only_on_panels(quantization)
     if name == "bf16-storage":
         if device.type != "cpu" or linear_kernel() is None:
             raise ValueError("--dtype bf16-storage needs the CPU linear kernel (cpu_linear.cpp: AVX-512, or AVX2 with FMA); "

@@ -21,7 +21,8 @@ from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.cpu_decode import DecodeLayers
 from iterserve.model.loader import ModelArch
-from iterserve.model.quant import PanelWeight, Weight, check_supported, linear, pack_float, quantize
+from iterserve.model.quant import (PanelWeight, Weight, check_supported, linear, pack_float, quantize,
+                                   weight_only_on_panels)
 
 
 @dataclass(slots=True)
@@ -98,9 +99,8 @@ class LlamaModel:
         norm = w["model.norm.weight"]  # every family has it, in the weights' dtype; the embedding may go unread
         self.dtype, self.device, self.weight_dtype = dtype or norm.dtype, norm.device, norm.dtype
         mixed = self.dtype != norm.dtype
-        weight_only_panels = quantization in ("int8", "int4") and cpu_kernels.linear_weight_only_supported()
-        if mixed and (quantization is not None and not weight_only_panels or self.dtype != torch.float32 or
-                      norm.dtype != torch.bfloat16):
+        quantized_off_panels = quantization is not None and not weight_only_on_panels(quantization)
+        if mixed and (quantized_off_panels or self.dtype != torch.float32 or norm.dtype != torch.bfloat16):
             raise ValueError(f"float32 arithmetic over bfloat16 weights only, without --quantization or with "
                              f"int8/int4 on the kernel's panels (AVX2); got {norm.dtype} weights, {self.dtype} "
                              f"arithmetic, quantization {quantization}")

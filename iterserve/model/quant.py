@@ -134,18 +134,21 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     return w(x.reshape(-1, x.shape[-1]), bias).view(*x.shape[:-1], w.shape[0])
 
 
+def weight_only_on_panels(mode: str | None) -> bool:
+    """Whether --quantization `mode` is weight-only int8/int4 on cpu_linear.cpp's panels (AVX2 builds): under
+    float32 arithmetic, beside bf16 storage. Elsewhere torch's kernels run them, in the arithmetic's dtype."""
+    return mode in ("int8", "int4") and cpu_kernels.linear_weight_only_supported()
+
+
 def kernel_panels(w: Weight, x_dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
     """The panels and dtype code with which cpu_linear.cpp's iterserve_linear runs w under activations of
     x_dtype (cpu_kernels.linear_code; the weight-only panels take float32), or None where it does not."""
-    if isinstance(w, PanelWeight):
-        return w.panels, cpu_kernels.linear_code(x_dtype, w.panels)
-    if x_dtype != torch.float32:
+    tensor, kind = panel_tensor(w) or (None, None)
+    if kind == "panels":
+        return tensor, cpu_kernels.linear_code(x_dtype, tensor)
+    if kind is None or x_dtype != torch.float32:
         return None
-    if isinstance(w, Int8Weight) and w.panels:
-        return w.qweight, cpu_kernels.INT8_WEIGHTS
-    if isinstance(w, Int4Weight) and w.scales_zeros is None:
-        return w.packed, cpu_kernels.INT4_WEIGHTS
-    return None
+    return tensor, cpu_kernels.INT8_WEIGHTS if kind == "int8" else cpu_kernels.INT4_WEIGHTS
 
 
 def panel_tensor(w: Weight) -> tuple[torch.Tensor, str] | None:

@@ -51,7 +51,7 @@ from iterserve.model import cpu_kernels, loader, tokenizer
 from iterserve.model.cpu_kernels import cache_dir
 from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
 from iterserve.model.loader import ModelArch
-from iterserve.model.quant import Weight, from_panel_tensor, panel_layout, panel_tensor
+from iterserve.model.quant import Weight, from_panel_tensor, panel_layout, panel_tensor, weight_only_on_panels
 
 logger = logging.getLogger("iterserve.model")
 
@@ -323,7 +323,7 @@ def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool
     if device.type == "cpu" and quantization == "w8a8":
         layout = "w8a8" if cpu_kernels.linear_int8_supported() else None
     elif device.type == "cpu" and quantization in ("int8", "int4"):
-        layout = quantization if cpu_kernels.linear_weight_only_supported() else None
+        layout = quantization if weight_only_on_panels(quantization) else None
     elif device.type == "cpu" and quantization is None:
         layout = "plain" if mixed and cpu_kernels.linear_kernel() is not None else panel_layout(dtype)
     entry = entry_dir(path) if layout is not None else None

@@ -140,7 +140,6 @@ def test_attributes(runner):
 def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(runner, monkeypatch):
     """The default on a CPU without bf16 instructions (where the kernels build): half float32's bytes
     per step and per cached token, float32 arithmetic; greedy tokens as the float32 runner's here."""
-    from iterserve.executor import model_runner
     from iterserve.executor.model_runner import storage_dtype
     from iterserve.model import cpu_kernels
     from iterserve.model.quant import PanelWeight
@@ -163,7 +162,7 @@ def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(r
     if weight_only:
         assert storage_dtype("bf16-storage", cpu, "int4") == torch.bfloat16
     with monkeypatch.context() as m:
-        m.setattr(model_runner, "linear_weight_only_supported", lambda flags=(): False)
+        m.setattr(cpu_kernels, "linear_weight_only_supported", lambda flags=(): False)
         with pytest.raises(ValueError, match="quantization int4"):
             storage_dtype("bf16-storage", cpu, "int4")
     prompt = list(range(100, 140))
