@@ -36,7 +36,8 @@ import torch.multiprocessing as mp
 from iterserve.config import EngineConfig
 from iterserve.executor.base import ExecutorDeadError
 from iterserve.executor.model_runner import ModelRunner, eos_token_ids, pick_device, storage_dtype
-from iterserve.model.loader import default_model_path, load_model_arch, load_tokenizer, load_weights
+from iterserve.model import weight_cache
+from iterserve.model.loader import default_model_path, load_model_arch, load_weights
 from iterserve.model.sharding import TensorParallel, check_tp_size, lm_head, rank_arch, shard_weights
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 
@@ -49,7 +50,7 @@ class TPExecutor:
         mc, pc = config.model_config, config.parallel_config
         n = pc.tensor_parallel_size
         path = mc.model or default_model_path()
-        arch = load_model_arch(path)
+        arch = weight_cache.load_arch(path)
         check_tp_size(arch, n)
         device = pick_device(mc.device)
         if device.type == "cuda" and n > torch.cuda.device_count():
@@ -62,7 +63,7 @@ class TPExecutor:
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns, store)
         try:
             _start_workers(config, n, store.port, self._procs, self._conns)
-            self.tokenizer = load_tokenizer(path)  # while the ranks load their weights
+            self.tokenizer = weight_cache.load_tokenizer(path)  # while the ranks load their weights
             ready = self._receive(set(range(n)), "start-up")
         except BaseException:
             self.shutdown()

@@ -138,6 +138,14 @@ def load_arch_and_weights(path: str, dtype: torch.dtype = torch.float32,
     return arch, LazyWeights(weights, dtype, torch.device(device))
 
 
+def load_arch(path: str) -> ModelArch:
+    """loader.load_model_arch through the cache: a warm entry's metadata, without parsing the model file
+    (for the GGUF, a few seconds of the gguf reader); the file's own where it is not cached yet."""
+    entry = entry_dir(path)
+    cached = _read_weights(entry / _WEIGHTS, entry.name) if entry is not None and (entry / _WEIGHTS).exists() else None
+    return cached[0] if cached is not None else loader.load_model_arch(path)
+
+
 def _through_entry(path: str, entry: Path):
     """The entry's arch and open file, the entry written first on a miss; the loader's in-memory
     weights (a dict) where it cannot be written."""

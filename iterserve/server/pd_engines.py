@@ -213,13 +213,6 @@ class PDEngines:
     eos_token_ids: frozenset[int]
     max_model_len: int
 
-    # The model's facts the server reads through its AsyncEngine (an EngineClient, server/engine_client.py);
-    # serving_engines sets them from the model's files, and build_app names any that is missing.
-    tokenizer: object | None
-    vocab_size: int | None
-    eos_token_ids: frozenset[int]
-    max_model_len: int
-
     def __init__(self, config_kwargs, transport: str = "shm", num_prefill: int = 1, num_decode: int = 1,
                  port: int = 29561, start_timeout_s: float = 180.0) -> None:
         """config_kwargs: an EngineConfig or its keyword arguments, for every engine."""
@@ -315,8 +308,9 @@ class PDEngines:
 
     def _tokenizer(self):
         if self.tokenizer is None:
-            from iterserve.model.loader import default_model_path, load_tokenizer
-            self.tokenizer = load_tokenizer(self.engine_config.model_config.model or default_model_path())
+            from iterserve.model import weight_cache
+            from iterserve.model.loader import default_model_path
+            self.tokenizer = weight_cache.load_tokenizer(self.engine_config.model_config.model or default_model_path())
         return self.tokenizer
 
     @property
@@ -413,9 +407,10 @@ class PDEngines:
 def serving_engines(config, transport: str = "shm", num_prefill: int = 1, num_decode: int = 1) -> PDEngines:
     """xPyD with what the HTTP server reads from an engine: the tokenizer, vocabulary, EOS ids, context."""
     from iterserve.executor.model_runner import eos_token_ids
-    from iterserve.model.loader import default_model_path, load_model_arch
+    from iterserve.model import weight_cache
+    from iterserve.model.loader import default_model_path
     pd = PDEngines(config, transport, num_prefill, num_decode)
-    arch = load_model_arch(config.model_config.model or default_model_path())
+    arch = weight_cache.load_arch(config.model_config.model or default_model_path())
     pd.config, pd.vocab_size = config, arch.vocab_size
     pd.eos_token_ids = eos_token_ids(arch, pd._tokenizer())
     pd.max_model_len = pd.stats.max_model_len

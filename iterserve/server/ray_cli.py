@@ -25,9 +25,10 @@ def _interrupt(signum, frame) -> None:
 
 def check_model(config) -> None:
     """What the model's shapes rule out, read from its config before Ray (or any replica) starts."""
-    from iterserve.model.loader import default_model_path, load_model_arch
+    from iterserve.model import weight_cache
+    from iterserve.model.loader import default_model_path
     from iterserve.model.sharding import check_tp_size
-    check_tp_size(load_model_arch(config.model_config.model or default_model_path()),
+    check_tp_size(weight_cache.load_arch(config.model_config.model or default_model_path()),
                   config.parallel_config.tensor_parallel_size)
 
 
