@@ -495,24 +495,26 @@ def pack_int8_panels(w: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int8_weight_panels(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Weight-only int8 codes q [N, K] and their row scales [N] -> one flat int8 tensor: pack_panels'
-    layout of the codes, then ceil(N / PANEL) * PANEL float32 scales (1 past N): what
-    linear_int8_weights reads."""
+    """Weight-only int8 codes q [N, K] and their row scales [N] -> one flat int8 tensor, what
+    linear_int8_weights reads: per panel of PANEL outputs (zeros past N) its codes in pairs of inputs,
+    [Kp / 2][PANEL][2] (Kp: K rounded up to even, a zero past K), then ceil(N / PANEL) * PANEL float32
+    scales (1 past N)."""
     n, k = q.shape
-    codes = pack_panels(q)
-    padded = codes.shape[0] * PANEL
-    out = _arena.empty((codes.numel() + 4 * padded,), torch.int8) if _arena is not None else \
-        torch.empty(codes.numel() + 4 * padded, dtype=torch.int8)
-    out[:codes.numel()].copy_(codes.view(-1))
-    out[codes.numel():].view(torch.float32).copy_(torch.nn.functional.pad(scales.float(), (0, padded - n), value=1.0))
+    kp, panels_n = k + k % 2, -(-n // PANEL)
+    padded = panels_n * PANEL
+    q = torch.nn.functional.pad(q, (0, kp - k, 0, padded - n))
+    out = _arena.empty((padded * (kp + 4),), torch.int8) if _arena is not None else \
+        torch.empty(padded * (kp + 4), dtype=torch.int8)
+    out[:padded * kp].view(panels_n, kp // 2, PANEL, 2).copy_(q.view(panels_n, PANEL, kp // 2, 2).transpose(1, 2))
+    out[padded * kp:].view(torch.float32).copy_(torch.nn.functional.pad(scales.float(), (0, padded - n), value=1.0))
     return out
 
 
 def linear_int8_weights(x: torch.Tensor, panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None,
                         kernel=None) -> torch.Tensor:
     """x [M, K] float32 (rows any stride) @ (codes * scales)^T (+ bias, float32) -> [M, n] float32, the weight
-    as pack_int8_weight_panels packed it."""
-    assert x.dtype == torch.float32 and x.shape[1] == k and panels.numel() == -(-n // PANEL) * PANEL * (k + 4)
+    as pack_int8_weight_panels packed it; x enters the kernel as 16-bit codes, a scale a row."""
+    assert x.dtype == torch.float32 and x.shape[1] == k and panels.numel() == -(-n // PANEL) * PANEL * (k + k % 2 + 4)
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     return _run_linear(INT8_WEIGHTS, x, panels, n, bias, kernel,
                        "this build of cpu_linear.cpp has no weight-only int8 panels (AVX2 without AVX-512 only)")

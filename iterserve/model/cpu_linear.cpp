@@ -44,6 +44,26 @@ inline const W* rows_from(const W* panel, int64_t) { return panel; }
 template <typename W, typename T>
 inline const W* for_rows(const W* panels, const T*, int64_t, int64_t, int64_t, int) { return panels; }
 
+// The quantized layers' driver: each row of x quantized (quantize(m), split across the threads), then
+// each thread takes a run of panels, tile by tile: tile(p, m0, rows, n0, valid), rows of near-equal
+// height, at most max_rows.
+template <typename Quantize, typename Tile>
+void quantized_rows_then_panels(int64_t M, int64_t N, int max_rows, int num_threads, Quantize quantize, Tile tile) {
+    const int64_t num_panels = (N + kPanel - 1) / kPanel, tiles = (M + max_rows - 1) / max_rows;
+    auto first_row = [&](int64_t t) { return M * t / tiles; };
+#pragma omp parallel num_threads(num_threads) if (num_panels > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) quantize(m);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; ++p) {
+            const int64_t n0 = p * kPanel;
+            const int valid = int(std::min<int64_t>(kPanel, N - n0));
+            for (int64_t t = 0; t < tiles; ++t) tile(p, first_row(t), int(first_row(t + 1) - first_row(t)), n0, valid);
+        }
+    }
+}
+
 #if defined(__AVX512F__)
 
 constexpr int kRows = 12;  // rows per register tile: 24 accumulators, 2 weight vectors, 1 broadcast
@@ -251,28 +271,18 @@ template <typename T>
 void linear_int8(const T* x, int64_t ldx, const int8_t* panels, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
                  int num_threads) {
     const int64_t Kp = int8_depth(K), groups = Kp / kGroup, stride = int8_panel_bytes(Kp);
-    const int64_t num_panels = (N + kPanel - 1) / kPanel, tiles = (M + kRowsInt8 - 1) / kRowsInt8;
     static thread_local std::vector<uint8_t> codes;
     static thread_local std::vector<float> scales;
     codes.resize(size_t(M * Kp)), scales.resize(size_t(2 * M * groups));
     uint8_t* q = codes.data();
     float *xs = scales.data(), *xsz = xs + M * groups;
-    auto first_row = [&](int64_t t) { return M * t / tiles; };
-#pragma omp parallel num_threads(num_threads) if (num_panels > 1)
-    {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; ++m) quantize_row(x + m * ldx, K, q + m * Kp, xs + m * groups, xsz + m * groups);
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_panels; ++p) {
-            const int64_t n0 = p * kPanel;
-            const int valid = int(std::min<int64_t>(kPanel, N - n0));
-            for (int64_t t = 0; t < tiles; ++t) {
-                const int64_t m0 = first_row(t);
-                tile_rows_int8(int(first_row(t + 1) - m0), q + m0 * Kp, Kp, xs + m0 * groups, xsz + m0 * groups, groups,
-                               panels + p * stride, Kp, y + m0 * N + n0, N, valid, bias ? bias + n0 : nullptr);
-            }
-        }
-    }
+    quantized_rows_then_panels(
+        M, N, kRowsInt8, num_threads,
+        [&](int64_t m) { quantize_row(x + m * ldx, K, q + m * Kp, xs + m * groups, xsz + m * groups); },
+        [&](int64_t p, int64_t m0, int rows, int64_t n0, int valid) {
+            tile_rows_int8(rows, q + m0 * Kp, Kp, xs + m0 * groups, xsz + m0 * groups, groups, panels + p * stride, Kp,
+                           y + m0 * N + n0, N, valid, bias ? bias + n0 : nullptr);
+        });
 }
 #endif
 
@@ -571,17 +581,137 @@ void linear(const T* x, int64_t ldx, P panels, const T* bias, T* y, int64_t M, i
 
 #if !defined(__AVX512F__)
 #define ITERSERVE_LINEAR_WEIGHT_ONLY 1
-// Weight-only int8 (--quantization int8) under float32 x and y, on AVX2: the panels hold int8 codes
-// laid out as float panels are ([K][kPanel] each), then every output's float32 scale (symmetric, one
-// an output row). The tiles widen the codes in registers as they do bf16; the scales multiply y after.
-// torch's own weight-only int8 kernel is many times slower there (docs/performance.md).
+// Weight-only int8 (--quantization int8) on AVX2, summed in integers: AVX2 has no int8 dot product that
+// keeps 8-bit activations exact (vpmaddubsw saturates u8 x s8 pairs), but vpmaddwd multiplies 16-bit
+// pairs into int32 exactly: 16 multiply-adds an instruction, twice a float32 FMA's 8. So x enters as
+// 16-bit codes, one symmetric scale a row (|error| <= max|x| / 65534, far below the weights' int8
+// rounding), and a panel holds its codes in pairs of k, pairs[Kp / 2][kPanel][2] (Kp: K rounded up to
+// even, zero-padded); every output's float32 scale follows the last panel. The int32 sums of
+// kChunkPairs pairs stay below 2^31 (256 x 2 x 32767 x 127 = 2,130,641,408); each chunk's go into
+// float32 ones.
+constexpr int64_t kChunkPairs = 256;
+
+inline int64_t pair_depth(int64_t K) { return (K + 1) / 2 * 2; }
+
+// One row of x -> Kp 16-bit codes (the padding's are 0) and its scale.
+void quantize_row16(const float* x, int64_t K, int16_t* q, float* scale) {
+    __m256 hi = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) hi = _mm256_max_ps(hi, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    float amax = 0.0f;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, hi);
+    for (float v : lanes) amax = std::max(amax, v);
+    for (int64_t j = k; j < K; ++j) amax = std::max(amax, std::fabs(x[j]));
+    const float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (k = 0; k + 8 <= K; k += 8) {  // cvtps rounds to nearest even, as nearbyint does; |code| <= 32767
+        const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
+                         _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
+    }
+    for (; k < K; ++k) q[k] = int16_t(std::clamp(std::nearbyint(x[k] * inv), -32767.0f, 32767.0f));
+    if (K % 2) q[K] = 0;
+    *scale = s;
+}
+
+// acc + vpmaddwd(x, w), in asm, as dpbusd above: with the intrinsics GCC 12 broadcasts a 6-row tile's x
+// ahead, which leaves no register for the 12 accumulators, and spills them to the stack every k pair.
+inline __m256i broadcast_pair(const int16_t* p) {
+    __m256i v;
+    asm("vpbroadcastd %1, %0" : "=x"(v) : "m"(*reinterpret_cast<const int32_t*>(p)));
+    return v;
+}
+inline __m256i madd_add(__m256i acc, __m256i x, __m256i w) {
+    __m256i t;
+    asm("vpmaddwd %2, %3, %1\n\tvpaddd %1, %0, %0" : "+x"(acc), "=&x"(t) : "x"(x), "x"(w));
+    return acc;
+}
+
+// y[R rows, columns C0 .. C0 + 8V] = the rows' codes . the panel's (int32 sums, float32 per chunk), times
+// each row's and each output's scale (+ bias). Each k pair is one 32-bit broadcast of x and, per 8
+// outputs, a sign-extending load of 16 codes.
+template <int R, int V, int C0>
+inline void tile_pairs16(const int16_t* xq, int64_t ldq, const float* xs, const int8_t* w, int64_t Kp,
+                         const float* wscale, float* y, int64_t ldy, int valid, const float* bias) {
+    __m256 f[R][V];
+    zero_tile(f);
+    for (int64_t c0 = 0; c0 < Kp / 2; c0 += kChunkPairs) {
+        __m256i a[R][V];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) a[r][v] = _mm256_setzero_si256();
+        const int64_t end = std::min(c0 + kChunkPairs, Kp / 2);
+        for (int64_t i = c0; i < end; ++i) {
+            const int8_t* wi = w + i * 2 * kPanel;
+            _mm_prefetch(reinterpret_cast<const char*>(wi) + kPrefetch, _MM_HINT_T0);
+            __m256i wv[V];
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v)
+                wv[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wi + 2 * (C0 + 8 * v))));
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) {
+                const __m256i xb = broadcast_pair(xq + r * ldq + 2 * i);
+#pragma GCC unroll 4
+                for (int v = 0; v < V; ++v) a[r][v] = madd_add(a[r][v], xb, wv[v]);
+            }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) f[r][v] = _mm256_add_ps(f[r][v], _mm256_cvtepi32_ps(a[r][v]));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+        const __m256 s = _mm256_set1_ps(xs[r]);
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) f[r][v] = _mm256_mul_ps(f[r][v], _mm256_mul_ps(s, _mm256_loadu_ps(wscale + 8 * v)));
+    }
+    store_columns(f, y, ldy, valid, bias);
+}
+
+// Up to 2 rows take the panel's 32 columns in one pass (8 accumulators, 4 weight vectors), 3-6 in two
+// passes of 16 (12 accumulators, 2 weight vectors, 1 broadcast), as the float tiles.
+template <int R>
+inline void tile_int8_weights(const int16_t* xq, int64_t ldq, const float* xs, const int8_t* w, int64_t Kp,
+                              const float* wscale, float* y, int64_t ldy, int valid, const float* bias) {
+    if constexpr (R <= 2) {
+        tile_pairs16<R, 4, 0>(xq, ldq, xs, w, Kp, wscale, y, ldy, valid, bias);
+    } else {
+        tile_pairs16<R, 2, 0>(xq, ldq, xs, w, Kp, wscale, y, ldy, std::min(valid, 16), bias);
+        if (valid > 16)
+            tile_pairs16<R, 2, 16>(xq, ldq, xs, w, Kp, wscale + 16, y + 16, ldy, valid - 16, bias ? bias + 16 : nullptr);
+    }
+}
+
+template <int R = 1>
+void tile_rows_int8_weights(int rows, const int16_t* xq, int64_t ldq, const float* xs, const int8_t* w, int64_t Kp,
+                            const float* wscale, float* y, int64_t ldy, int valid, const float* bias) {
+    if (rows == R)
+        tile_int8_weights<R>(xq, ldq, xs, w, Kp, wscale, y, ldy, valid, bias);
+    else if constexpr (R < kRows)
+        tile_rows_int8_weights<R + 1>(rows, xq, ldq, xs, w, Kp, wscale, y, ldy, valid, bias);
+}
+
+// x [M, K] (rows ldx apart) @ (codes * scales)^T (+ bias) -> y [M, N]: the rows quantized first (split
+// across the threads), then each thread takes a run of panels, tile by tile (rows of near-equal height).
 void linear_int8_weights(const float* x, int64_t ldx, const int8_t* panels, const float* bias, float* y, int64_t M,
                          int64_t N, int64_t K, int num_threads) {
-    linear<const int8_t*, float>(x, ldx, panels, nullptr, y, M, N, K, num_threads);
-    const float* scales = reinterpret_cast<const float*>(panels + (N + kPanel - 1) / kPanel * K * kPanel);
-#pragma omp parallel for num_threads(num_threads) if (M * N > (1 << 16))
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) y[m * N + n] = y[m * N + n] * scales[n] + (bias ? bias[n] : 0.0f);
+    const int64_t Kp = pair_depth(K), num_panels = (N + kPanel - 1) / kPanel;
+    const float* wscale = reinterpret_cast<const float*>(panels + num_panels * Kp * kPanel);
+    static thread_local std::vector<int16_t> codes;
+    static thread_local std::vector<float> scales;
+    codes.resize(size_t(M * Kp)), scales.resize(size_t(M));
+    int16_t* q = codes.data();
+    float* xs = scales.data();
+    quantized_rows_then_panels(
+        M, N, kRows, num_threads, [&](int64_t m) { quantize_row16(x + m * ldx, K, q + m * Kp, xs + m); },
+        [&](int64_t p, int64_t m0, int rows, int64_t n0, int valid) {
+            tile_rows_int8_weights(rows, q + m0 * Kp, Kp, xs + m0, panels + p * Kp * kPanel, Kp, wscale + n0,
+                                   y + m0 * N + n0, N, valid, bias ? bias + n0 : nullptr);
+        });
 }
 
 // Weight-only int4 (--quantization int4) under float32 x and y, on AVX2: Int4Panel's groups (above).

@@ -328,17 +328,26 @@ needs_weight_only = pytest.mark.skipif(not cpu_kernels.linear_weight_only_suppor
 @needs_weight_only
 @pytest.mark.parametrize("m,n,k", SHAPES + [(7, 65, 1536)])
 def test_int8_weight_panels_compute_codes_times_scales(m, n, k):
-    """Weight-only int8 (--quantization int8 on AVX2): the codes widened exactly, summed in float32, times
-    each row's scale (+ bias): the product with the dequantized weight, to float32 rounding."""
+    """Weight-only int8 (--quantization int8 on AVX2): x enters as 16-bit codes (a symmetric scale a row),
+    summed against the weight codes exactly in integers, times each row's and output's scale (+ bias): the
+    product of the coded x with the dequantized weight, to float32 rounding; and within the coding's bound
+    (half a step of x's scale a weight) of the float product."""
     torch.manual_seed(5 * m + n + k)
     q, scales = cpu_kernels.int8_codes(torch.randn(n, k))
     x = torch.randn(m, 3, k)[:, 1]  # rows 3 k apart: read in place
+    x[:, :k // 3] *= 40  # rows with outliers, as activations have
+    w = q.float() * scales[:, None]
+    x_scale = (x.abs().amax(dim=1, keepdim=True) / 32767).masked_fill_(x.abs().amax(dim=1, keepdim=True) == 0, 1)
+    x_coded = torch.round(x * (1 / x_scale)) * x_scale
     panels = cpu_kernels.pack_int8_weight_panels(q, scales)
     for bias in (None, torch.randn(n)):
         got = cpu_kernels.linear_int8_weights(x, panels, n, k, bias, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
         assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
-        want = torch.nn.functional.linear(x, q.float() * scales[:, None], bias)
-        torch.testing.assert_close(got, want, atol=1e-4 * k ** 0.5, rtol=1e-5)
+        b = bias.double() if bias is not None else None
+        rounding = 1e-6 * (x_coded.abs() @ w.abs().T).double() + 1e-6  # float32's, on the sums' magnitude
+        assert ((got - torch.nn.functional.linear(x_coded.double(), w.double(), b)).abs() <= rounding).all()
+        bound = x_scale / 2 * w.abs().sum(dim=1) + rounding
+        assert ((got - torch.nn.functional.linear(x.double(), w.double(), b)).abs() <= bound).all()
 
 
 INT4_SHAPES = [(1, 64, 64), (5, 200, 96), (3, 33, 32), (6, 17, 64), (13, 100, 320), (40, 47, 512), (0, 70, 32),
