@@ -523,25 +523,25 @@ def linear_int8_weights(x: torch.Tensor, panels: torch.Tensor, n: int, k: int, b
 def pack_int4_weight_panels(q: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
     """Weight-only int4 codes q [N, K] in [0, 15] (w = q * scale + minimum, each group of INT4_GROUP inputs
     its own scale and minimum: scales and minimums [N, K / INT4_GROUP]) -> one flat uint8 tensor, what
-    linear_int4_weights reads: per panel of PANEL outputs (zeros past N), per group, its codes k by k
-    (PANEL / 2 bytes a k: output j in the low nibble of byte j, output j + PANEL / 2 in the high one), then
-    the PANEL bf16 scales and the PANEL bf16 minimums."""
+    linear_int4_weights reads: per panel of PANEL outputs (zeros past N), per group, its codes in pairs of
+    inputs (PANEL bytes a pair: byte j holds output j's code at the even input in its low nibble, at the odd
+    one in its high nibble), then the PANEL bf16 scales and the PANEL bf16 minimums."""
     n, k = q.shape
     assert k % INT4_GROUP == 0 and scales.shape == minimums.shape == (n, k // INT4_GROUP)
-    panels_n, groups, half = -(-n // PANEL), k // INT4_GROUP, PANEL // 2
+    panels_n, groups, half = -(-n // PANEL), k // INT4_GROUP, INT4_GROUP // 2
     pad = (0, 0, 0, panels_n * PANEL - n)
-    q = torch.nn.functional.pad(q.to(torch.uint8), pad).view(panels_n, PANEL, groups, INT4_GROUP)
-    codes = (q[:, :half] | (q[:, half:] << 4)).permute(0, 2, 3, 1)  # [panels, groups, k, half]
+    q = torch.nn.functional.pad(q.to(torch.uint8), pad).view(panels_n, PANEL, groups, half, 2)
+    codes = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [panels, groups, pairs, PANEL]
 
     def per_group(t: torch.Tensor) -> torch.Tensor:  # [N, groups] -> [panels, groups, PANEL] bf16's bytes
         t = torch.nn.functional.pad(t.to(torch.bfloat16), pad).view(panels_n, PANEL, groups).transpose(1, 2)
         return t.contiguous().view(torch.uint8)
 
-    group_bytes = INT4_GROUP * half + 4 * PANEL
+    group_bytes = half * PANEL + 4 * PANEL
     shape = (panels_n * groups * group_bytes,)
     out = _arena.empty(shape, torch.uint8) if _arena is not None else torch.empty(shape, dtype=torch.uint8)
     out.view(panels_n, groups, group_bytes).copy_(torch.cat(
-        [codes.reshape(panels_n, groups, INT4_GROUP * half), per_group(scales), per_group(minimums)], dim=-1))
+        [codes.reshape(panels_n, groups, half * PANEL), per_group(scales), per_group(minimums)], dim=-1))
     return out
 
 

@@ -31,18 +31,10 @@ namespace {
 constexpr int kPanel = 32;           // outputs per panel: two AVX-512 vectors, or four AVX2 ones
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream
 
-// A panel handle: a pointer to W's values, or (AVX2) Int4Panel. From how many tiles of rows on a panel is
-// widened to float32 once (widen_panel) rather than each weight for each tile; 0: never.
-template <typename P>
+// From how many tiles of rows on a panel of W is widened to float32 once (widen_panel) rather than each
+// weight for each tile; 0: never.
+template <typename W>
 constexpr int kWidenTiles = 0;
-
-template <typename W>
-inline const W* panel_at(const W* panels, int64_t p, int64_t K) { return panels + p * K * kPanel; }
-// What a tile of rows from m0 on reads of a panel handle, where the handle carries per-row values.
-template <typename W>
-inline const W* rows_from(const W* panel, int64_t) { return panel; }
-template <typename W, typename T>
-inline const W* for_rows(const W* panels, const T*, int64_t, int64_t, int64_t, int) { return panels; }
 
 // The quantized layers' driver: each row of x quantized (quantize(m), split across the threads), then
 // each thread takes a run of panels, tile by tile: tile(p, m0, rows, n0, valid), rows of near-equal
@@ -290,7 +282,7 @@ void linear_int8(const T* x, int64_t ldx, const int8_t* panels, const T* bias, T
 
 constexpr int kRows = 6;  // rows per register tile (see tile below)
 template <>  // bf16 (M > 42), where it was measured to pay; on AVX-512 not measured: a k's widening serves 24 FMAs
-constexpr int kWidenTiles<const uint16_t*> = 8;
+constexpr int kWidenTiles<uint16_t> = 8;
 
 template <int R, int V>
 inline void zero_tile(__m256 (&a)[R][V]) {
@@ -362,128 +354,6 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, T* y, int64
     }
 }
 
-// Weight-only int4 (--quantization int4, AVX2 without AVX-512): a panel is K / kInt4Group groups, each
-// its codes, 16 bytes a k (byte j: column j in the low nibble, column j + 16 in the high one), then the
-// group's bf16 scale and minimum of each column: w = q * scale + minimum, Q4_1's scheme, 0.625 bytes a
-// weight in one forward stream. A tile sums x . q over a group in registers (8 codes: a widening load, a
-// mask or a shift, a conversion; no multiply), then adds scale * that + minimum * (the group's sum of x).
-// Against a first version that dequantized each weight in the tile (per 8 codes an FMA, two loads and a
-// shuffle more), 1.5x at one row (4608 x 576, in cache; docs/performance.md).
-constexpr int kInt4Group = 32;
-constexpr int64_t kInt4GroupBytes = kInt4Group * kPanel / 2 + 2 * kPanel * 2;
-
-struct Int4Panel {  // the panels' bytes, or one panel's; x_sums: each group's sum of x, row by row
-    const uint8_t* p;
-    const float* x_sums;
-    int64_t groups;
-};
-template <>  // M > 18: 1.2-1.3x at 24-64 rows, measured; even at 2-3 tiles, within noise
-constexpr int kWidenTiles<Int4Panel> = 4;
-
-inline Int4Panel panel_at(Int4Panel panels, int64_t p, int64_t) {
-    return {panels.p + p * panels.groups * kInt4GroupBytes, panels.x_sums, panels.groups};
-}
-inline Int4Panel rows_from(Int4Panel panel, int64_t m0) {
-    return {panel.p, panel.x_sums + m0 * panel.groups, panel.groups};
-}
-// The rows' group sums, once a call: every panel's tiles read them.
-inline Int4Panel for_rows(Int4Panel panels, const float* x, int64_t ldx, int64_t M, int64_t K, int num_threads) {
-    static thread_local std::vector<float> sums;
-    const int64_t groups = K / kInt4Group;
-    sums.resize(size_t(M * groups));
-    float* out = sums.data();
-#pragma omp parallel for num_threads(num_threads) if (M * K > (1 << 16))
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t g = 0; g < groups; ++g) {
-            __m256 sum = _mm256_setzero_ps();
-            const float* xg = x + m * ldx + g * kInt4Group;
-            for (int j = 0; j < kInt4Group; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(xg + j));
-            out[m * groups + g] = hsum8(sum);
-        }
-    return {panels.p, out, groups};
-}
-
-// The codes of columns C0 .. C0 + 8V at one k, as float32 vectors: bytes 0-7 widened hold columns 0-7
-// (low nibbles) and 16-23 (high), bytes 8-15 columns 8-15 and 24-31.
-template <int C0, int V>
-inline void int4_codes(const uint8_t* k_bytes, __m256 (&q)[V]) {
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) {
-        const int c = C0 + 8 * v;
-        const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(k_bytes + c % 16)));
-        const __m256i codes = c < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0x0f)) : _mm256_srli_epi32(bytes, 4);
-        q[v] = _mm256_cvtepi32_ps(codes);
-    }
-}
-
-template <int R, int V, int C0, bool Packed>
-inline void tile_int4_columns(const float* x, int64_t ldx, Int4Panel panel, int64_t K, float* y, int64_t ldy,
-                              int valid, const float* bias) {
-    __m256 a[R][V];
-    zero_tile(a);
-    for (int64_t g = 0; g < K / kInt4Group; ++g) {
-        const uint8_t* group = panel.p + g * kInt4GroupBytes;
-        __m256 s[R][V];
-        zero_tile(s);
-        for (int j = 0; j < kInt4Group; ++j) {
-            const int64_t k = g * kInt4Group + j;
-            if (j % 2 == 0)  // 40 bytes on: every line of the stream, codes and scales
-                _mm_prefetch(reinterpret_cast<const char*>(group + j * (kInt4GroupBytes / kInt4Group)) + kPrefetch,
-                             _MM_HINT_T0);
-            __m256 q[V];
-            int4_codes<C0, V>(group + j * 16, q);
-#pragma GCC unroll 16
-            for (int r = 0; r < R; ++r) {
-                const __m256 xb = _mm256_broadcast_ss(Packed ? x + k * R + r : x + r * ldx + k);
-#pragma GCC unroll 4
-                for (int v = 0; v < V; ++v) s[r][v] = _mm256_fmadd_ps(xb, q[v], s[r][v]);
-            }
-        }
-        const uint16_t* scales = reinterpret_cast<const uint16_t*>(group + kInt4Group * kPanel / 2) + C0;
-#pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) {
-            const __m256 scale = load8(scales + 8 * v), minimum = load8(scales + kPanel + 8 * v);
-#pragma GCC unroll 16
-            for (int r = 0; r < R; ++r)
-                a[r][v] = _mm256_fmadd_ps(minimum, _mm256_broadcast_ss(panel.x_sums + r * panel.groups + g),
-                                          _mm256_fmadd_ps(s[r][v], scale, a[r][v]));
-        }
-    }
-    store_columns(a, y, ldy, valid, bias);
-}
-
-// As tile above: up to 2 rows in one pass over the panel's 32 columns, 3-6 in two of 16 (the group's
-// sums and the codes then fill the 16 registers).
-template <int R, bool Packed>
-inline void tile(const float* x, int64_t ldx, Int4Panel w, int64_t K, float* y, int64_t ldy, int valid,
-                 const float* bias) {
-    if constexpr (R <= 2) {
-        tile_int4_columns<R, 4, 0, Packed>(x, ldx, w, K, y, ldy, valid, bias);
-    } else {
-        tile_int4_columns<R, 2, 0, Packed>(x, ldx, w, K, y, ldy, std::min(valid, 16), bias);
-        if (valid > 16)
-            tile_int4_columns<R, 2, 16, Packed>(x, ldx, w, K, y + 16, ldy, valid - 16, bias ? bias + 16 : nullptr);
-    }
-}
-
-// A panel of int4 groups dequantized to float32 once, for a large batch's tiles (as widen_panel below).
-const float* widen_panel(Int4Panel w, int64_t K) {
-    static thread_local std::vector<float> wide;
-    wide.resize(size_t(K * kPanel));
-    for (int64_t g = 0; g < K / kInt4Group; ++g) {
-        const uint8_t* group = w.p + g * kInt4GroupBytes;
-        const uint16_t* scales = reinterpret_cast<const uint16_t*>(group + kInt4Group * kPanel / 2);
-        for (int j = 0; j < kInt4Group; ++j) {
-            __m256 q[4];
-            int4_codes<0, 4>(group + j * 16, q);
-            for (int v = 0; v < 4; ++v)
-                _mm256_storeu_ps(wide.data() + (g * kInt4Group + j) * kPanel + 8 * v,
-                                 _mm256_fmadd_ps(q[v], load8(scales + 8 * v), load8(scales + kPanel + 8 * v)));
-        }
-    }
-    return wide.data();
-}
-
 #endif
 
 #if defined(ITERSERVE_LINEAR)
@@ -525,8 +395,8 @@ void tile_rows(int rows, const X* x, int64_t ldx, P w, int64_t K, T* y, int64_t 
 // float32 and interleaved k by k, so a tile is one short stream. Packing bf16 for the pairs tiles (a
 // scalar transpose) was 6% of a 512-token prefill and bought nothing: without it, 7-9% less time at
 // 64 and 512 rows (measured on Zen 4, docs/performance.md).
-template <typename P, typename T, bool Pairs = false>
-void linear(const T* x, int64_t ldx, P panels, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
+template <typename W, typename T, bool Pairs = false>
+void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
             int num_threads) {
     const int64_t num_panels = (N + kPanel - 1) / kPanel;
     const int64_t tiles = (M + kRows - 1) / kRows;
@@ -535,7 +405,6 @@ void linear(const T* x, int64_t ldx, P panels, const T* bias, T* y, int64_t M, i
     if (packed) buffer.resize(size_t(M * K));
     float* xp = buffer.data();
     auto first_row = [&](int64_t t) { return M * t / tiles; };
-    const P handle = for_rows(panels, x, ldx, M, K, num_threads);
 #pragma omp parallel num_threads(num_threads) if (num_panels > 1)
     {
         if (packed) {
@@ -550,10 +419,10 @@ void linear(const T* x, int64_t ldx, P panels, const T* bias, T* y, int64_t M, i
         for (int64_t p = 0; p < num_panels; ++p) {
             const int64_t n0 = p * kPanel;
             const int valid = int(std::min<int64_t>(kPanel, N - n0));
-            const P w = panel_at(handle, p, K);
+            const W* w = panels + p * K * kPanel;
             const T* b = bias ? bias + n0 : nullptr;
-            if constexpr (kWidenTiles<P> > 0 && !Pairs) {
-                if (tiles >= kWidenTiles<P>) {
+            if constexpr (kWidenTiles<W> > 0 && !Pairs) {
+                if (tiles >= kWidenTiles<W>) {
                     const float* wide = widen_panel(w, K);
                     for (int64_t t = 0; t < tiles; ++t) {
                         const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
@@ -566,14 +435,12 @@ void linear(const T* x, int64_t ldx, P panels, const T* bias, T* y, int64_t M, i
                 const int64_t m0 = first_row(t), rows = first_row(t + 1) - m0;
                 if constexpr (!Pairs) {
                     if (packed) {
-                        tile_rows<true, false>(int(rows), xp + m0 * K, 0, rows_from(w, m0), K, y + m0 * N + n0, N,
-                                               valid, b);
+                        tile_rows<true, false>(int(rows), xp + m0 * K, 0, w, K, y + m0 * N + n0, N, valid, b);
                         continue;
                     }
                 }
                 if constexpr (Pairs || std::is_same_v<T, float>)
-                    tile_rows<false, Pairs>(int(rows), x + m0 * ldx, ldx, rows_from(w, m0), K, y + m0 * N + n0, N,
-                                           valid, b);
+                    tile_rows<false, Pairs>(int(rows), x + m0 * ldx, ldx, w, K, y + m0 * N + n0, N, valid, b);
             }
         }
     }
@@ -714,11 +581,106 @@ void linear_int8_weights(const float* x, int64_t ldx, const int8_t* panels, cons
         });
 }
 
-// Weight-only int4 (--quantization int4) under float32 x and y, on AVX2: Int4Panel's groups (above).
-// K is a multiple of kInt4Group.
+// Weight-only int4 (--quantization int4) on AVX2, summed in integers as int8 is: Q4_1's scheme, w = q * scale
+// + minimum with q in [0, 15], a bf16 scale and minimum per group of kInt4Group inputs and output, 0.625
+// bytes a weight in one forward stream. A panel is K / kInt4Group groups, each its codes in pairs of k,
+// 32 bytes a pair (byte j: column j's code at the even k in the low nibble, at the odd k in the high one),
+// then the group's kPanel scales and kPanel minimums. Per pair, 16 columns' bytes are split into nibbles
+// and interleaved (unpack) into the 16-bit pairs vpmaddwd takes; a group's int32 sums s (|s| <= 32 x 15
+// x 32767) then go into float32 ones: y = x_scale * sum_g (scale_g * s_g + minimum_g * (x's codes summed
+// over g)) + bias.
+constexpr int kInt4Group = 32;
+constexpr int64_t kInt4GroupBytes = kInt4Group * kPanel / 2 + 2 * kPanel * 2;
+
+// 16 columns' codes at one pair of k (16 bytes) -> the 16-bit pairs of columns 0-7 and of 8-15.
+inline void int4_pairs(const uint8_t* bytes, __m256i& w0, __m256i& w1) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)), nibble = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(b, nibble), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+    w0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(lo, hi));
+    w1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(lo, hi));
+}
+
+template <int R, int V, int C0>
+inline void tile_int4_pairs(const int16_t* xq, int64_t ldq, const float* xs, const float* xsums, int64_t groups,
+                            const uint8_t* panel, float* y, int64_t ldy, int valid, const float* bias) {
+    __m256 f[R][V];
+    zero_tile(f);
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* group = panel + g * kInt4GroupBytes;
+        __m256i a[R][V];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) a[r][v] = _mm256_setzero_si256();
+        for (int i = 0; i < kInt4Group / 2; ++i) {
+            if (i % 2 == 0)  // 64 bytes on: every line of the stream, codes and scales
+                _mm_prefetch(reinterpret_cast<const char*>(group + i * kPanel) + kPrefetch, _MM_HINT_T0);
+            __m256i wv[V];
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v += 2) int4_pairs(group + i * kPanel + C0 + 8 * v, wv[v], wv[v + 1]);
+            const int16_t* xi = xq + g * kInt4Group + 2 * i;
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) {
+                const __m256i xb = broadcast_pair(xi + r * ldq);
+#pragma GCC unroll 4
+                for (int v = 0; v < V; ++v) a[r][v] = madd_add(a[r][v], xb, wv[v]);
+            }
+        }
+        const uint16_t* scales = reinterpret_cast<const uint16_t*>(group + kInt4Group * kPanel / 2) + C0;
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) {
+            const __m256 scale = load8(scales + 8 * v), minimum = load8(scales + kPanel + 8 * v);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r)
+                f[r][v] = _mm256_fmadd_ps(minimum, _mm256_broadcast_ss(xsums + r * groups + g),
+                                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][v]), scale, f[r][v]));
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) f[r][v] = _mm256_mul_ps(f[r][v], _mm256_set1_ps(xs[r]));
+    store_columns(f, y, ldy, valid, bias);
+}
+
+// As tile_int8_weights: up to 2 rows in one pass over the panel's 32 columns, 3-6 in two of 16.
+template <int R = 1>
+void tile_rows_int4(int rows, const int16_t* xq, int64_t ldq, const float* xs, const float* xsums, int64_t groups,
+                    const uint8_t* panel, float* y, int64_t ldy, int valid, const float* bias) {
+    if (rows != R) {
+        if constexpr (R < kRows) tile_rows_int4<R + 1>(rows, xq, ldq, xs, xsums, groups, panel, y, ldy, valid, bias);
+    } else if constexpr (R <= 2) {
+        tile_int4_pairs<R, 4, 0>(xq, ldq, xs, xsums, groups, panel, y, ldy, valid, bias);
+    } else {
+        tile_int4_pairs<R, 2, 0>(xq, ldq, xs, xsums, groups, panel, y, ldy, std::min(valid, 16), bias);
+        if (valid > 16)
+            tile_int4_pairs<R, 2, 16>(xq, ldq, xs, xsums, groups, panel, y + 16, ldy, valid - 16, bias ? bias + 16 : nullptr);
+    }
+}
+
+// x [M, K] (rows ldx apart) @ (codes * scales + minimums)^T (+ bias) -> y [M, N]; K a multiple of kInt4Group.
 void linear_int4_weights(const float* x, int64_t ldx, const uint8_t* panels, const float* bias, float* y, int64_t M,
                          int64_t N, int64_t K, int num_threads) {
-    linear<Int4Panel, float>(x, ldx, Int4Panel{panels, nullptr, K / kInt4Group}, bias, y, M, N, K, num_threads);
+    const int64_t groups = K / kInt4Group;
+    static thread_local std::vector<int16_t> codes;
+    static thread_local std::vector<float> scales;
+    codes.resize(size_t(M * K)), scales.resize(size_t(M * (1 + groups)));
+    int16_t* q = codes.data();
+    float *xs = scales.data(), *xsums = xs + M;
+    auto quantize = [&](int64_t m) {
+        const int16_t* row = q + m * K;
+        quantize_row16(x + m * ldx, K, q + m * K, xs + m);
+        for (int64_t g = 0; g < groups; ++g) {
+            int32_t sum = 0;
+            for (int j = 0; j < kInt4Group; ++j) sum += row[g * kInt4Group + j];
+            xsums[m * groups + g] = float(sum);
+        }
+    };
+    quantized_rows_then_panels(M, N, kRows, num_threads, quantize,
+                               [&](int64_t p, int64_t m0, int rows, int64_t n0, int valid) {
+        tile_rows_int4(rows, q + m0 * K, K, xs + m0, xsums + m0 * groups, groups, panels + p * groups * kInt4GroupBytes,
+                       y + m0 * N + n0, N, valid, bias ? bias + n0 : nullptr);
+    });
 }
 #endif
 
@@ -804,7 +766,7 @@ int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, 
                static_cast<float*>(y), M, N, K, num_threads);
     else if (dtype == 3)
 #if defined(ITERSERVE_LINEAR_PAIRS)
-        linear<const uint16_t*, uint16_t, true>(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(panels),
+        linear<uint16_t, uint16_t, true>(static_cast<const uint16_t*>(x), ldx, static_cast<const uint16_t*>(panels),
                                          static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), M, N, K,
                                          num_threads);
 #else

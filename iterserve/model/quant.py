@@ -8,10 +8,10 @@ weight on the fly:
   int4: torch.ops.aten._weight_int4pack_mm_for_cpu, groups of 32 along K, a scale and a zero
         per group: w = (q - 8) * scale + zero, q in [0, 15].
 On AVX2 without AVX-512, where those kernels are many times slower than bf16 storage, the same codes
-go into cpu_linear.cpp's panels instead: int4's dequantized in registers under float32 activations,
-int8's summed in integers against 16-bit codes of the activations (vpmaddwd: twice a float32 FMA's
-multiply-adds, so int8 is faster than bf16 storage at a large batch too). Torch's kernels are slower
-than a bf16 matmul once the batch is large (measured: ~2x at B=64), where the step is compute-bound.
+go into cpu_linear.cpp's panels instead, summed in integers against 16-bit codes of the activations
+(vpmaddwd: twice a float32 FMA's multiply-adds, so int8 is faster than bf16 storage at a large batch
+too; int4's codes are unpacked into 16-bit pairs first). Torch's kernels are slower than a bf16 matmul
+once the batch is large (measured: ~2x at B=64), where the step is compute-bound.
 
 Where the weights come from: the model hands us float weights (the loader has already
 dequantized the GGUF blocks), and we quantize them. For the default GGUF this loses nothing
@@ -83,7 +83,7 @@ class Int4Weight:
         return self.packed.nbytes + (self.scales_zeros.nbytes if self.scales_zeros is not None else 0)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.scales_zeros is None:  # the C++ kernel's panels: float32 arithmetic, as bf16 storage on AVX2
+        if self.scales_zeros is None:  # the C++ kernel's panels: float32 in and out, int32 sums inside
             return cpu_kernels.linear_int4_weights(x.float(), self.packed, *self.shape, _float(bias)).to(x.dtype)
         return _plus(torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
                                                                 self.scales_zeros), bias)

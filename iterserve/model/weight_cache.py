@@ -55,7 +55,7 @@ from iterserve.model.quant import Weight, from_panel_tensor, panel_layout, panel
 
 logger = logging.getLogger("iterserve.model")
 
-FORMAT = 3  # bump when what an entry holds changes (2: q/k/v and gate/up stored fused; 3: int8 panels in pairs)
+FORMAT = 4  # bump when what an entry holds changes (2: q/k/v and gate/up stored fused; 3, 4: int8, int4 panels in pairs)
 _EDGE = 1 << 20  # bytes hashed at each end of the model file
 _WEIGHTS, _TOKENIZER = "model.safetensors", "tokenizer"
 # the weights the model packs or quantizes into its own copies; it keeps every other one as given

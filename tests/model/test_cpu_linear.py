@@ -328,20 +328,25 @@ needs_weight_only = pytest.mark.skipif(not cpu_kernels.linear_weight_only_suppor
 @needs_weight_only
 @pytest.mark.parametrize("m,n,k", SHAPES + [(7, 65, 1536)])
 def test_int8_weight_panels_compute_codes_times_scales(m, n, k):
-    """Weight-only int8 (--quantization int8 on AVX2): x enters as 16-bit codes (a symmetric scale a row),
-    summed against the weight codes exactly in integers, times each row's and output's scale (+ bias): the
-    product of the coded x with the dequantized weight, to float32 rounding; and within the coding's bound
-    (half a step of x's scale a weight) of the float product."""
+    """Weight-only int8 (--quantization int8 on AVX2): the codes times each row's scale, against x as the
+    kernel codes it (check_x_coded)."""
     torch.manual_seed(5 * m + n + k)
     q, scales = cpu_kernels.int8_codes(torch.randn(n, k))
+    panels = cpu_kernels.pack_int8_weight_panels(q, scales)
+    check_x_coded(cpu_kernels.linear_int8_weights, panels, q.float() * scales[:, None], m)
+
+
+def check_x_coded(linear, panels, w: torch.Tensor, m: int) -> None:
+    """The weight-only kernels take x in as 16-bit codes (a symmetric scale a row) and sum against the weight's
+    codes exactly in integers: linear(x, panels, ..) is x's coded values times the dequantized weight w (+
+    bias) to float32's rounding, and within the coding's bound (half a step of x's scale a weight) of x w."""
+    n, k = w.shape
     x = torch.randn(m, 3, k)[:, 1]  # rows 3 k apart: read in place
     x[:, :k // 3] *= 40  # rows with outliers, as activations have
-    w = q.float() * scales[:, None]
     x_scale = (x.abs().amax(dim=1, keepdim=True) / 32767).masked_fill_(x.abs().amax(dim=1, keepdim=True) == 0, 1)
     x_coded = torch.round(x * (1 / x_scale)) * x_scale
-    panels = cpu_kernels.pack_int8_weight_panels(q, scales)
     for bias in (None, torch.randn(n)):
-        got = cpu_kernels.linear_int8_weights(x, panels, n, k, bias, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
+        got = linear(x, panels, n, k, bias, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
         assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
         b = bias.double() if bias is not None else None
         rounding = 1e-6 * (x_coded.abs() @ w.abs().T).double() + 1e-6  # float32's, on the sums' magnitude
@@ -351,26 +356,21 @@ def test_int8_weight_panels_compute_codes_times_scales(m, n, k):
 
 
 INT4_SHAPES = [(1, 64, 64), (5, 200, 96), (3, 33, 32), (6, 17, 64), (13, 100, 320), (40, 47, 512), (0, 70, 32),
-               (50, 65, 1536)]  # 50 rows: the large-batch path, each panel dequantized once
+               (50, 65, 1536)]
 
 
 @needs_weight_only
 @pytest.mark.parametrize("m,n,k", INT4_SHAPES)
 def test_int4_weight_panels_compute_codes_times_scales_plus_minimums(m, n, k):
     """Weight-only int4 (--quantization int4 on AVX2): each group's codes times its scale plus its minimum
-    (bf16 both), summed in float32 (+ bias): the product with that dequantized weight, to float32 rounding."""
+    (bf16 both), against x as the kernel codes it (check_x_coded)."""
     torch.manual_seed(7 * m + n + k)
     groups = k // cpu_kernels.INT4_GROUP
     q = torch.randint(0, 16, (n, k))
     scales = (torch.rand(n, groups) + 0.1).bfloat16().float()  # what the panels hold, so exact
     minimums = torch.randn(n, groups).bfloat16().float()
     w = q * scales.repeat_interleave(cpu_kernels.INT4_GROUP, 1) + minimums.repeat_interleave(cpu_kernels.INT4_GROUP, 1)
-    x = torch.randn(m, 3, k)[:, 1]
-    panels = cpu_kernels.pack_int4_weight_panels(q, scales, minimums)
-    for bias in (None, torch.randn(n)):
-        got = cpu_kernels.linear_int4_weights(x, panels, n, k, bias, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
-        assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
-        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, bias), atol=1e-4 * k ** 0.5, rtol=1e-5)
+    check_x_coded(cpu_kernels.linear_int4_weights, cpu_kernels.pack_int4_weight_panels(q, scales, minimums), w, m)
 
 
 @needs_kernel
