@@ -1,12 +1,13 @@
 """The linear layers alone, each weight format side by side: what a step's matmuls cost at a batch.
 
-    python benchmarks/linear_kernels.py [--rows 1,32,64,512] [--formats bf16,w8a8,int8] [--repeats 7]
+    python benchmarks/linear_kernels.py [--rows 1,32,64,512] [--formats bf16,w8a8,int8,int4] [--repeats 7]
 
 The default model's linears (q/k/v fused, o, gate/up fused, down: 30 layers) with random weights of
 their shapes, in the engine's packed formats: bf16 (the CPU panel kernel's layout for this CPU, or
-oneDNN's), w8a8 (int8 panels under int8 activations, AVX-512 VNNI), int8 / int4 (weight-only, PyTorch's
-kernels). Each row count runs every format in turn, `--repeats` times over, alternated so that a busy
-minute hits them all; the best time of each is printed with its ratio to the first format's.
+oneDNN's), w8a8 (int8 panels under int8 activations, AVX-512 VNNI), int8 / int4 (weight-only: the panel
+kernel's, summed in integers, on AVX2 without AVX-512; PyTorch's kernels elsewhere). Each row count runs
+every format in turn, `--repeats` times over, alternated so that a busy minute hits them all; the best
+time of each is printed with its ratio to the first format's.
 """
 from __future__ import annotations
 
