@@ -460,18 +460,24 @@ constexpr int64_t kChunkPairs = 256;
 
 inline int64_t pair_depth(int64_t K) { return (K + 1) / 2 * 2; }
 
-// One row of x -> Kp 16-bit codes (the padding's are 0) and its scale.
+// One row of x -> Kp 16-bit codes (the padding's are 0) and its scale. A NaN anywhere in the row makes the
+// scale NaN (and the codes 0), so the row's outputs are NaN, as a float product's would be.
 void quantize_row16(const float* x, int64_t K, int16_t* q, float* scale) {
-    __m256 hi = _mm256_setzero_ps();
+    __m256 hi = _mm256_setzero_ps(), nan = hi;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     int64_t k = 0;
-    for (; k + 8 <= K; k += 8) hi = _mm256_max_ps(hi, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    for (; k + 8 <= K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        hi = _mm256_max_ps(hi, _mm256_andnot_ps(sign, v));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
     float amax = 0.0f;
     float lanes[8];
     _mm256_storeu_ps(lanes, hi);
     for (float v : lanes) amax = std::max(amax, v);
-    for (int64_t j = k; j < K; ++j) amax = std::max(amax, std::fabs(x[j]));
-    const float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
+    bool has_nan = _mm256_movemask_ps(nan) != 0;
+    for (int64_t j = k; j < K; ++j) amax = std::max(amax, std::fabs(x[j])), has_nan |= std::isnan(x[j]);
+    const float s = has_nan ? NAN : amax > 0.0f ? amax / 32767.0f : 1.0f, inv = has_nan ? 0.0f : 1.0f / s;
     const __m256 vinv = _mm256_set1_ps(inv);
     for (k = 0; k + 8 <= K; k += 8) {  // cvtps rounds to nearest even, as nearbyint does; |code| <= 32767
         const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));

@@ -355,6 +355,24 @@ def check_x_coded(linear, panels, w: torch.Tensor, m: int) -> None:
         assert ((got - torch.nn.functional.linear(x.double(), w.double(), b)).abs() <= bound).all()
 
 
+@needs_weight_only
+@pytest.mark.parametrize("k,at", [(64, 9), (63, 60)])  # 60: in the row's scalar tail (63 = 7 x 8 + 7)
+def test_weight_only_panels_pass_a_nan_on_to_its_row(k, at):
+    """A NaN in a row of x makes that row's outputs NaN (as a float product's), never finite values from its
+    16-bit codes; the other rows are untouched."""
+    x = torch.randn(3, k)
+    x[1, at] = float("nan")
+    q, scales = cpu_kernels.int8_codes(torch.randn(40, k))
+    cases = [(cpu_kernels.linear_int8_weights, cpu_kernels.pack_int8_weight_panels(q, scales))]
+    if k % cpu_kernels.INT4_GROUP == 0:
+        q4 = torch.randint(0, 16, (40, k))
+        cases.append((cpu_kernels.linear_int4_weights, cpu_kernels.pack_int4_weight_panels(
+            q4, torch.ones(40, k // cpu_kernels.INT4_GROUP), torch.zeros(40, k // cpu_kernels.INT4_GROUP))))
+    for linear, panels in cases:
+        y = linear(x, panels, 40, k, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
+        assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
+
+
 INT4_SHAPES = [(1, 64, 64), (5, 200, 96), (3, 33, 32), (6, 17, 64), (13, 100, 320), (40, 47, 512), (0, 70, 32),
                (50, 65, 1536)]
 
