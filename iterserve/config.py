@@ -66,8 +66,8 @@ class ModelConfig:
     quantization: Literal["int8", "int4", "w8a8"] | None = _help(
         "quantization of the linear layers (CPU): int8 / int4 weight-only (on AVX2 iterserve's integer "
         "kernels, faster than bf16 there at every batch; on AVX-512 PyTorch's: smaller, but slower than bf16 "
-        "on AVX-512 BF16 CPUs); w8a8 int8 weights under int8 activations quantized per token (AVX-512 VNNI; the fastest mode "
-        "there)", default=None)
+        "on AVX-512 BF16 CPUs); w8a8 int8 weights under int8 activations quantized per token (AVX-512 VNNI; "
+        "the fastest mode there)", default=None)
     max_model_len: int | None = _help("longest sequence (prompt + output); default: the model's context, "
                                       "or what the KV pool holds if that is less", default=None, ge=2)
     seed: int = _help("engine seed (requests without a seed draw from it)", default=0)

@@ -502,12 +502,22 @@ inline __m256i madd_add(__m256i acc, __m256i x, __m256i w) {
     return acc;
 }
 
+// What an int8 tile reads: its rows' codes (ldq apart) and scales, one panel and its outputs' scales.
+struct Int8Rows {
+    const int16_t* xq;
+    int64_t ldq;
+    const float* xs;
+    const int8_t* w;
+    int64_t Kp;
+    const float* wscale;
+};
+
 // y[R rows, columns C0 .. C0 + 8V] = the rows' codes . the panel's (int32 sums, float32 per chunk), times
 // each row's and each output's scale (+ bias). Each k pair is one 32-bit broadcast of x and, per 8
 // outputs, a sign-extending load of 16 codes.
 template <int R, int V, int C0>
-inline void tile_pairs16(const int16_t* xq, int64_t ldq, const float* xs, const int8_t* w, int64_t Kp,
-                         const float* wscale, float* y, int64_t ldy, int valid, const float* bias) {
+inline void weight_only_tile(const Int8Rows& t, float* y, int64_t ldy, int valid, const float* bias) {
+    const auto [xq, ldq, xs, w, Kp, wscale] = t;
     __m256 f[R][V];
     zero_tile(f);
     for (int64_t c0 = 0; c0 < Kp / 2; c0 += kChunkPairs) {
@@ -540,32 +550,25 @@ inline void tile_pairs16(const int16_t* xq, int64_t ldq, const float* xs, const 
     for (int r = 0; r < R; ++r) {
         const __m256 s = _mm256_set1_ps(xs[r]);
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) f[r][v] = _mm256_mul_ps(f[r][v], _mm256_mul_ps(s, _mm256_loadu_ps(wscale + 8 * v)));
+        for (int v = 0; v < V; ++v)
+            f[r][v] = _mm256_mul_ps(f[r][v], _mm256_mul_ps(s, _mm256_loadu_ps(wscale + C0 + 8 * v)));
     }
     store_columns(f, y, ldy, valid, bias);
 }
 
-// Up to 2 rows take the panel's 32 columns in one pass (8 accumulators, 4 weight vectors), 3-6 in two
-// passes of 16 (12 accumulators, 2 weight vectors, 1 broadcast), as the float tiles.
-template <int R>
-inline void tile_int8_weights(const int16_t* xq, int64_t ldq, const float* xs, const int8_t* w, int64_t Kp,
-                              const float* wscale, float* y, int64_t ldy, int valid, const float* bias) {
-    if constexpr (R <= 2) {
-        tile_pairs16<R, 4, 0>(xq, ldq, xs, w, Kp, wscale, y, ldy, valid, bias);
+// A tile of 1 .. kRows rows of either weight-only kernel (Rows: Int8Rows or Int4Rows). Up to 2 rows take the
+// panel's 32 columns in one pass (8 accumulators, 4 weight vectors), 3-6 in two passes of 16 (12
+// accumulators, 2 weight vectors, 1 broadcast), as the float tiles.
+template <int R = 1, typename Rows>
+void weight_only_rows(int rows, const Rows& t, float* y, int64_t ldy, int valid, const float* bias) {
+    if (rows != R) {
+        if constexpr (R < kRows) weight_only_rows<R + 1>(rows, t, y, ldy, valid, bias);
+    } else if constexpr (R <= 2) {
+        weight_only_tile<R, 4, 0>(t, y, ldy, valid, bias);
     } else {
-        tile_pairs16<R, 2, 0>(xq, ldq, xs, w, Kp, wscale, y, ldy, std::min(valid, 16), bias);
-        if (valid > 16)
-            tile_pairs16<R, 2, 16>(xq, ldq, xs, w, Kp, wscale + 16, y + 16, ldy, valid - 16, bias ? bias + 16 : nullptr);
+        weight_only_tile<R, 2, 0>(t, y, ldy, std::min(valid, 16), bias);
+        if (valid > 16) weight_only_tile<R, 2, 16>(t, y + 16, ldy, valid - 16, bias ? bias + 16 : nullptr);
     }
-}
-
-template <int R = 1>
-void tile_rows_int8_weights(int rows, const int16_t* xq, int64_t ldq, const float* xs, const int8_t* w, int64_t Kp,
-                            const float* wscale, float* y, int64_t ldy, int valid, const float* bias) {
-    if (rows == R)
-        tile_int8_weights<R>(xq, ldq, xs, w, Kp, wscale, y, ldy, valid, bias);
-    else if constexpr (R < kRows)
-        tile_rows_int8_weights<R + 1>(rows, xq, ldq, xs, w, Kp, wscale, y, ldy, valid, bias);
 }
 
 // x [M, K] (rows ldx apart) @ (codes * scales)^T (+ bias) -> y [M, N]: the rows quantized first (split
@@ -582,8 +585,8 @@ void linear_int8_weights(const float* x, int64_t ldx, const int8_t* panels, cons
     quantized_rows_then_panels(
         M, N, kRows, num_threads, [&](int64_t m) { quantize_row16(x + m * ldx, K, q + m * Kp, xs + m); },
         [&](int64_t p, int64_t m0, int rows, int64_t n0, int valid) {
-            tile_rows_int8_weights(rows, q + m0 * Kp, Kp, xs + m0, panels + p * Kp * kPanel, Kp, wscale + n0,
-                                   y + m0 * N + n0, N, valid, bias ? bias + n0 : nullptr);
+            weight_only_rows(rows, Int8Rows{q + m0 * Kp, Kp, xs + m0, panels + p * Kp * kPanel, Kp, wscale + n0},
+                             y + m0 * N + n0, N, valid, bias ? bias + n0 : nullptr);
         });
 }
 
@@ -606,9 +609,19 @@ inline void int4_pairs(const uint8_t* bytes, __m256i& w0, __m256i& w1) {
     w1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(lo, hi));
 }
 
+// What an int4 tile reads: its rows' codes (ldq apart), scales and per-group code sums, and one panel.
+struct Int4Rows {
+    const int16_t* xq;
+    int64_t ldq;
+    const float* xs;
+    const float* xsums;
+    int64_t groups;
+    const uint8_t* panel;
+};
+
 template <int R, int V, int C0>
-inline void tile_int4_pairs(const int16_t* xq, int64_t ldq, const float* xs, const float* xsums, int64_t groups,
-                            const uint8_t* panel, float* y, int64_t ldy, int valid, const float* bias) {
+inline void weight_only_tile(const Int4Rows& t, float* y, int64_t ldy, int valid, const float* bias) {
+    const auto [xq, ldq, xs, xsums, groups, panel] = t;
     __m256 f[R][V];
     zero_tile(f);
     for (int64_t g = 0; g < groups; ++g) {
@@ -649,21 +662,6 @@ inline void tile_int4_pairs(const int16_t* xq, int64_t ldq, const float* xs, con
     store_columns(f, y, ldy, valid, bias);
 }
 
-// As tile_int8_weights: up to 2 rows in one pass over the panel's 32 columns, 3-6 in two of 16.
-template <int R = 1>
-void tile_rows_int4(int rows, const int16_t* xq, int64_t ldq, const float* xs, const float* xsums, int64_t groups,
-                    const uint8_t* panel, float* y, int64_t ldy, int valid, const float* bias) {
-    if (rows != R) {
-        if constexpr (R < kRows) tile_rows_int4<R + 1>(rows, xq, ldq, xs, xsums, groups, panel, y, ldy, valid, bias);
-    } else if constexpr (R <= 2) {
-        tile_int4_pairs<R, 4, 0>(xq, ldq, xs, xsums, groups, panel, y, ldy, valid, bias);
-    } else {
-        tile_int4_pairs<R, 2, 0>(xq, ldq, xs, xsums, groups, panel, y, ldy, std::min(valid, 16), bias);
-        if (valid > 16)
-            tile_int4_pairs<R, 2, 16>(xq, ldq, xs, xsums, groups, panel, y + 16, ldy, valid - 16, bias ? bias + 16 : nullptr);
-    }
-}
-
 // x [M, K] (rows ldx apart) @ (codes * scales + minimums)^T (+ bias) -> y [M, N]; K a multiple of kInt4Group.
 void linear_int4_weights(const float* x, int64_t ldx, const uint8_t* panels, const float* bias, float* y, int64_t M,
                          int64_t N, int64_t K, int num_threads) {
@@ -684,8 +682,9 @@ void linear_int4_weights(const float* x, int64_t ldx, const uint8_t* panels, con
     };
     quantized_rows_then_panels(M, N, kRows, num_threads, quantize,
                                [&](int64_t p, int64_t m0, int rows, int64_t n0, int valid) {
-        tile_rows_int4(rows, q + m0 * K, K, xs + m0, xsums + m0 * groups, groups, panels + p * groups * kInt4GroupBytes,
-                       y + m0 * N + n0, N, valid, bias ? bias + n0 : nullptr);
+        weight_only_rows(rows, Int4Rows{q + m0 * K, K, xs + m0, xsums + m0 * groups, groups,
+                                        panels + p * groups * kInt4GroupBytes},
+                         y + m0 * N + n0, N, valid, bias ? bias + n0 : nullptr);
     });
 }
 #endif

@@ -55,7 +55,7 @@ from iterserve.model.quant import Weight, from_panel_tensor, panel_layout, panel
 
 logger = logging.getLogger("iterserve.model")
 
-FORMAT = 4  # bump when what an entry holds changes (2: q/k/v and gate/up stored fused; 3, 4: int8, int4 panels in pairs)
+FORMAT = 4  # bump when what an entry holds changes (2: q/k/v and gate/up fused; 3, 4: int8, int4 panels in pairs)
 _EDGE = 1 << 20  # bytes hashed at each end of the model file
 _WEIGHTS, _TOKENIZER = "model.safetensors", "tokenizer"
 # the weights the model packs or quantizes into its own copies; it keeps every other one as given
@@ -142,7 +142,8 @@ def load_arch(path: str) -> ModelArch:
     """loader.load_model_arch through the cache: a warm entry's metadata, without parsing the model file
     (for the GGUF, a few seconds of the gguf reader); the file's own where it is not cached yet."""
     entry = entry_dir(path)
-    cached = _read_weights(entry / _WEIGHTS, entry.name) if entry is not None and (entry / _WEIGHTS).exists() else None
+    file = entry / _WEIGHTS if entry is not None else None
+    cached = _read_weights(file, entry.name) if file is not None and file.exists() else None
     return cached[0] if cached is not None else loader.load_model_arch(path)
 
 

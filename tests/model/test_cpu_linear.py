@@ -343,7 +343,8 @@ def check_x_coded(linear, panels, w: torch.Tensor, m: int) -> None:
     n, k = w.shape
     x = torch.randn(m, 3, k)[:, 1]  # rows 3 k apart: read in place
     x[:, :k // 3] *= 40  # rows with outliers, as activations have
-    x_scale = (x.abs().amax(dim=1, keepdim=True) / 32767).masked_fill_(x.abs().amax(dim=1, keepdim=True) == 0, 1)
+    amax = x.abs().amax(dim=1, keepdim=True)
+    x_scale = torch.where(amax > 0, amax / 32767, 1.0)
     x_coded = torch.round(x * (1 / x_scale)) * x_scale
     for bias in (None, torch.randn(n)):
         got = linear(x, panels, n, k, bias, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
