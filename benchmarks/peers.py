@@ -25,6 +25,10 @@ Figures, in one table:
 - a sanity line per OpenVINO format: how many greedy tokens of the first request equal iterserve's
   (the same model from the same GGUF; they drift apart where the dtypes round differently).
 
+A peer that fails (its server dies before /health answers or mid-run, its load run raises, its child
+process fails) costs its own row only: the row says why, the last lines of its log follow the table, the
+run goes on with the next peer, and the exit status is 1 once everything is printed (and written, --json).
+
 The KV budget is the same for every engine, in token positions: --max-num-seqs slots (default
 --concurrency) and a pool of KVBudget.tokens positions, by default just enough for every slot to hold a
 whole request (prompt + output), or what iterserve's --kv-cache-memory holds. iterserve gets
@@ -58,6 +62,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,6 +170,25 @@ def run_logged(cmd: list[str], log: Path, **kw) -> None:
         raise RuntimeError(f"failed ({done.returncode}): {shlex.join(cmd)}\n{log.read_text()[-3000:]}")
 
 
+class PeerFailed(RuntimeError):
+    """A peer that could not be measured: a short reason for its row, and the tail of its log."""
+
+    def __init__(self, reason: str, log: str = ""):
+        super().__init__(reason)
+        self.reason, self.log = reason, log
+
+
+def exit_reason(returncode: int) -> str:
+    """How a process ended, in words (Popen gives a signal's death as minus its number)."""
+    if returncode < 0:
+        return f"crashed (signal {-returncode}: {signal.strsignal(-returncode) or 'unknown'})"
+    return f"exited with code {returncode}"
+
+
+def tail(text: str, lines: int = 20) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
 class Server:
     """A server process in its own process group: spawned, waited on until /health answers 200, stopped."""
 
@@ -184,8 +208,7 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was ready: "
-                                   f"{shlex.join(self.cmd)}\n{self.log_tail()}")
+                raise PeerFailed(f"{exit_reason(self.proc.returncode)} before /health answered", self.log_tail())
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
                     if r.status == 200:
@@ -193,13 +216,22 @@ class Server:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass  # llama-server answers 503 while it loads
             time.sleep(0.05)
-        raise RuntimeError(f"{self.name} not ready within {timeout:.0f} s\n{self.log_tail()}")
+        raise PeerFailed(f"not ready within {timeout:.0f} s", self.log_tail())
+
+    def died(self) -> str | None:
+        """How the server ended, if it did: what a failed load run is reported as, not the client's error.
+        A moment's wait, as a dying server drops its connections just before it is gone."""
+        try:
+            self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            return None
+        return f"{exit_reason(self.proc.returncode)} mid-run"
 
     def log_tail(self) -> str:
-        if self.log is None:
+        if self.log is None:  # --verbose: the log went to the terminal
             return ""
         self.log.seek(0)
-        return self.log.read().decode(errors="replace")[-3000:]
+        return tail(self.log.read().decode(errors="replace"))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -335,12 +367,31 @@ def check_complete(name: str, summary: dict, trace) -> None:
                            f"of {trace.total_output_tokens} (is ignore_eos honoured? is the context large enough?)")
 
 
+def as_failure(e: Exception) -> PeerFailed:
+    """Any error as a row's failure: its first line the reason, the rest (up to 20 lines) its log."""
+    if isinstance(e, PeerFailed):
+        return e
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return PeerFailed(lines[0], tail("\n".join(lines[1:])))
+
+
+def guarded(name: str, measure: Callable[[], dict]) -> dict:
+    """A row measured, or recorded as failed with its reason: a peer that crashes costs its own row,
+    not the figures of the rest of the run."""
+    try:
+        return measure()
+    except Exception as e:  # whatever broke, it broke this peer's row only
+        failure = as_failure(e)
+        print(f"{name}: FAILED: {failure.reason}", flush=True)
+        return {"name": name, "failed": failure.reason, "log_tail": failure.log}
+
+
 def run_child(name: str, cmd: list[str], timeout: float) -> dict:
     """An offline run in a child process; its last stdout line is its JSON result."""
     print(f"  $ {shlex.join(cmd)}", flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise PeerFailed(exit_reason(done.returncode), tail(done.stderr))
     return {"name": name, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
@@ -493,6 +544,23 @@ def iterserve_kv_bytes_per_token(model: str) -> int:
     return get_model_spec(model, elem).kv_bytes_per_token
 
 
+def http_row(key: str, name: str, cmd: list[str], args: argparse.Namespace, trace, stream) -> dict:
+    """One server started, measured and stopped. A load run that fails because the server died is
+    reported as the death (a signal, an exit code), not as the client's connection error."""
+    port = free_port()
+    flag = ["--port", str(port)] + (["--host", "127.0.0.1"] if key.startswith("llama") else [])
+    print(f"{name}: starting", flush=True)
+    server = Server(name, cmd + flag, port, args.timeout, args.verbose)
+    try:
+        row = http_target(server, trace, stream, args.verbose)
+    except Exception as e:
+        raise PeerFailed(server.died() or as_failure(e).reason, server.log_tail()) from e
+    finally:
+        server.stop()
+    print(f"{name}: {row['output_tokens_per_s']:.1f} out tok/s", flush=True)
+    return row
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from iterserve.bench import LengthDist, make_trace, materialize_prompts
     from iterserve.config import parse_bytes
@@ -533,17 +601,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     servers.append(("llama-q4_1", f"llama-server {model.name}", llama(model)))
     servers += [(t, f"llama-server {peers[t].name}", llama(peers[t])) for t in LLAMA_COPIES if t in peers]
     for key, name, cmd in servers:
-        if key in skip:
-            continue
-        port = free_port()
-        flag = ["--port", str(port)] + (["--host", "127.0.0.1"] if key.startswith("llama") else [])
-        print(f"{name}: starting", flush=True)
-        server = Server(name, cmd + flag, port, args.timeout, args.verbose)
-        try:
-            http.append(http_target(server, trace, stream, args.verbose))
-        finally:
-            server.stop()
-        print(f"{name}: {http[-1]['output_tokens_per_s']:.1f} out tok/s", flush=True)
+        if key not in skip:
+            http.append(guarded(name, lambda: http_row(key, name, cmd, args, trace, stream)))
     with tempfile.TemporaryDirectory(prefix="iterserve-peers-") as tmp:
         path = os.path.join(tmp, "trace.jsonl")
         trace.save(path)
@@ -555,12 +614,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                    *(["--child-quantization", mode, "--child-kv-cache-dtype", args.quantized_kv_cache_dtype]
                      if mode else [])]
             name = f"iterserve LLM {label}" if mode else "iterserve LLM"
-            offline.append(offline_row(run_child(name, cmd, 3600), trace))
+            offline.append(guarded(name, lambda: offline_row(run_child(name, cmd, 3600), trace)))
         for fmt, ir in peers.get("ov_models", {}).items():
             cmd = [str(peers["ov_python"]), os.path.abspath(__file__), "--openvino-child", "--model", str(ir), *child,
                    "--kv-blocks", str(budget.tokens // OV_CPU_BLOCK_SIZE), "--max-num-batched-tokens",
                    str(args.max_num_batched_tokens)]
-            offline.append(offline_row(run_child(f"OpenVINO GenAI {fmt}", cmd, 3600), trace))
+            name = f"OpenVINO GenAI {fmt}"
+            offline.append(guarded(name, lambda: offline_row(run_child(name, cmd, 3600), trace)))
     return {"argv": argv, "model": str(model), "kv_budget": {"slots": budget.slots, "tokens": budget.tokens,
                                                              "mapping": budget.describe(BLOCK_SIZE, OV_CPU_BLOCK_SIZE)},
             "trace": trace.meta, "concurrency": args.concurrency, "http": http, "offline": offline}
@@ -569,7 +629,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
 def format_report(report: dict) -> str:
     f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
     ms = lambda x: "-" if x is None else f"{1000 * x:.1f}"  # noqa: E731
-    http, offline = report["http"], report["offline"]
+    http, offline = measured(report["http"]), measured(report["offline"])
     head = (f"{'peer':<44}{'out tok/s':>10}{'iterserve/x':>12}{'TTFT s':>8}{'TPOT ms':>9}{'1-stream TTFT ms':>17}"
             f"{'1-stream TPOT ms':>17}{'ready s':>9}{'RSS MiB':>9}")
     out = [report["kv_budget"]["mapping"], head, "-" * len(head)]
@@ -578,16 +638,19 @@ def format_report(report: dict) -> str:
         if not items:
             return
         out.append(title)
-        base = next((r["output_tokens_per_s"] for r in items if r["name"].startswith(ours)), None)
+        base = next((r["output_tokens_per_s"] for r in measured(items) if r["name"].startswith(ours)), None)
         for r in items:
+            if "failed" in r:
+                out.append(f"  {r['name']:<42}  FAILED: {r['failed']}")
+                continue
             ratio = base / r["output_tokens_per_s"] if base and not r["name"].startswith(ours) else None
             out.append(f"  {r['name']:<42}{f(r['output_tokens_per_s']):>10}{f(ratio, 2):>12}"
                        f"{f(r.get('ttft_mean_s'), 2):>8}{ms(r.get('tpot_mean_s')):>9}{ms(r.get('stream_ttft_s')):>17}"
                        f"{ms(r.get('stream_tpot_s')):>17}{f(r.get('ready_s', r.get('load_s')), 1):>9}"
                        f"{r['rss'] / MiB:>9.0f}")
 
-    rows("through HTTP (streamed /v1/completions, token-id prompts)", http, "iterserve")
-    rows("offline, in process (ready s: the model load)", offline, "iterserve")
+    rows("through HTTP (streamed /v1/completions, token-id prompts)", report["http"], "iterserve")
+    rows("offline, in process (ready s: the model load)", report["offline"], "iterserve")
     ov = [r for r in offline if r["name"].startswith("OpenVINO")]
     ours = next((r for r in offline if r["name"].startswith("iterserve")), None)
     if ov and ours:
@@ -599,7 +662,18 @@ def format_report(report: dict) -> str:
         out.append(f"iterserve LLM / best OpenVINO GenAI ({best['name'].split()[-1]}, u8 KV): "
                    f"{ours['output_tokens_per_s'] / best['output_tokens_per_s']:.2f}x")
     out += like_for_like(http, offline)
+    for r in failures(report):
+        out.append(f"{r['name']} FAILED: {r['failed']}" + ("; the last lines of its log:" if r["log_tail"] else ""))
+        out += [f"    | {line}" for line in r["log_tail"].splitlines()]
     return "\n".join(out)
+
+
+def measured(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "failed" not in r]
+
+
+def failures(report: dict) -> list[dict]:
+    return [r for r in report["http"] + report["offline"] if "failed" in r]
 
 
 def like_for_like(http: list[dict], offline: list[dict]) -> list[str]:
@@ -653,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(report, fh, indent=2)
+    if failed := failures(report):  # only now, so that one peer's failure loses none of the others' figures
+        print(f"error: {len(failed)} peer(s) failed: {', '.join(r['name'] for r in failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,4 +1,9 @@
-"""benchmarks/peers.py's pure helpers: the one KV budget every engine gets, and its report table."""
+"""benchmarks/peers.py's pure helpers: the one KV budget every engine gets, and its report table; and a run
+that outlives the peers that fail."""
+import json
+import stat
+import sys
+
 import pytest
 
 from tests.bench import load_benchmark
@@ -75,3 +80,79 @@ def test_report_sets_w8a8_beside_the_peers_8_bit_rows(kv):
     assert f"iterserve LLM w8a8{kv} / OpenVINO GenAI int8: 2.00x" in text
     assert "best OpenVINO GenAI (int8, u8 KV): 1.45x" in text  # the default row against the best
     assert sum(line.startswith(f"iterserve LLM w8a8{kv} /") for line in text.splitlines()) == 1  # int8: the like and the best
+
+
+FAKE_LLAMA_SERVER = """#!{python}
+# A stand-in llama-server: answers /health on --port; given a Q8_0 model, dies of SIGSEGV as it loads.
+import http.server, os, signal, sys
+argv = sys.argv[1:]
+model, port = argv[argv.index("-m") + 1], int(argv[argv.index("--port") + 1])
+print("loading", model, flush=True)
+if "Q8_0" in model:
+    print("ggml: about to crash", flush=True)
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def executable(path, text):
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_crashes_costs_its_own_row_only(tmp_path, monkeypatch, capsys):
+    """Three llama-server rows: one measured, one (Q8_0) killed by SIGSEGV before /health answers, one
+    (BF16) killed under load. The table has all three, the failures' log tails follow it, the JSON keeps
+    the figures and the failures, and the exit status says a peer failed."""
+    from iterserve.model import loader
+
+    def fake_load(server, trace, stream, progress):  # the load run, without a real server to load
+        if "BF16" in server.name:
+            server.proc.kill()
+            raise ConnectionResetError("[Errno 104] Connection reset by peer")
+        return {"name": server.name, "output_tokens_per_s": 123.4, "ttft_mean_s": 0.5, "tpot_mean_s": 0.01,
+                "stream_ttft_s": 0.05, "stream_tpot_s": 0.005, "ready_s": server.ready_s, "rss": 1 << 20}
+
+    monkeypatch.setattr(peers, "http_target", fake_load)
+    monkeypatch.setattr(loader, "load_tokenizer", lambda path: None)  # byte prompts: no tokenizer to load
+    server = executable(tmp_path / "llama-server", FAKE_LLAMA_SERVER.format(python=sys.executable))
+    quantize = executable(tmp_path / "llama-quantize", '#!/bin/sh\n: > "$3"\n')  # an empty Q8_0 copy
+    out = tmp_path / "peers.json"
+    rc = peers.main(["--skip", "iterserve-http,iterserve-offline,openvino", "--llama-server", server,
+                     "--llama-quantize", quantize, "--bf16-gguf", str(tmp_path / "m.BF16.gguf"),
+                     "--peers-dir", str(tmp_path), "--quantized", "", "--num-requests", "2", "--concurrency", "2",
+                     "--prompt-len", "8", "--output-len", "4", "--stream-requests", "1", "--timeout", "30",
+                     "--json", str(out)])
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines()
+    q4, q8 = "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct.Q8_0.gguf"
+    row = lambda name: next(line for line in lines if line.startswith(f"  llama-server {name}"))  # noqa: E731
+    assert rc == 1
+    assert "123.4" in row(q4)
+    assert row(q8).endswith("FAILED: crashed (signal 11: Segmentation fault) before /health answered")
+    assert row("m.BF16.gguf").endswith("FAILED: crashed (signal 9: Killed) mid-run")
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"llama-server {q8} FAILED"))  # under the table
+    assert lines[at + 1:at + 3] == [f"    | loading {tmp_path / 'models' / q8}", "    | ggml: about to crash"]
+    assert printed.err.strip().endswith(f"error: 2 peer(s) failed: llama-server m.BF16.gguf, llama-server {q8}")
+    report = json.loads(out.read_text())
+    assert [r.get("output_tokens_per_s") for r in report["http"]] == [123.4, None, None]
+    assert [r.get("failed", "").split(" (")[0] for r in report["http"]] == ["", "crashed", "crashed"]
+
+
+def test_an_offline_child_that_fails_is_a_failed_row():
+    cmd = [sys.executable, "-c", "import sys; print('no CPU plugin', file=sys.stderr); sys.exit(1)"]
+    assert peers.guarded("OpenVINO GenAI int8", lambda: peers.run_child("OpenVINO GenAI int8", cmd, 30)) == {
+        "name": "OpenVINO GenAI int8", "failed": "exited with code 1", "log_tail": "no CPU plugin"}
