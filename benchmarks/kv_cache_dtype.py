@@ -19,8 +19,8 @@ import sys
 import torch
 
 from iterserve.config import EngineConfig
-from iterserve.executor.base import KVCacheSpec, num_blocks_for
 from iterserve.executor.model_runner import ModelRunner
+from iterserve.kv.spec import KVCacheSpec, num_blocks_for
 from iterserve.model import cpu_kernels
 from iterserve.model.kv_quant import head_dim_of, quantize_kv
 from step_time import decode_plan, timed  # benchmarks/ is on sys.path

@@ -1,7 +1,7 @@
 """A deterministic executor for scheduler and engine tests: no model, checks the plan it gets."""
 from __future__ import annotations
 
-from iterserve.executor.base import KVCacheSpec
+from iterserve.kv.spec import KVCacheSpec
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 
 

@@ -11,8 +11,8 @@ from collections import deque
 from typing import Callable, Sequence
 
 from iterserve.config import EngineConfig
-from iterserve.executor.base import KVCacheSpec
 from iterserve.kv.kv_cache_manager import KVCacheManager, cdiv
+from iterserve.kv.spec import KVCacheSpec
 from iterserve.request import Request, RequestStatus
 from iterserve.scheduler.output import SchedulerOutput, ScheduledRequest, StepResult
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from iterserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from iterserve.entrypoints.args import HelpFormatter, fail
-from iterserve.executor.base import KVCacheSpec, num_blocks_for
+from iterserve.kv.spec import KVCacheSpec, num_blocks_for
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
 from iterserve.sim.cost_model import CostModel

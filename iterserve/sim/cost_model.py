@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from iterserve.executor.base import num_blocks_for
+from iterserve.kv.spec import num_blocks_for
 from iterserve.scheduler.output import SchedulerOutput
 from iterserve.sim.hardware import HardwareSpec
 from iterserve.sim.model_spec import ModelSpec

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, replace
 
 from iterserve.config import CPU_KV_CACHE_MEMORY
-from iterserve.executor.base import DTYPE_BYTES, KVCacheSpec, bytes_per_block, num_blocks_for
+from iterserve.kv.spec import DTYPE_BYTES, KVCacheSpec, bytes_per_block, num_blocks_for
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 from iterserve.sim.cost_model import CostModel
 from iterserve.sim.hardware import HardwareSpec

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from iterserve.executor.base import bytes_per_block
+from iterserve.kv.spec import bytes_per_block
 
 
 @dataclass(slots=True, frozen=True)
@@ -25,7 +25,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     gated_mlp: bool = True  # Llama's SwiGLU has three MLP matrices; OPT's ReLU MLP has two
     max_model_len: int = 4096
-    kv_dtype: str | None = None  # the KV pool's dtype (executor.base.DTYPE_BYTES); None: the weights' dtype
+    kv_dtype: str | None = None  # the KV pool's dtype (kv.spec.DTYPE_BYTES); None: the weights' dtype
 
     @property
     def layer_params(self) -> int:

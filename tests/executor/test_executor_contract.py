@@ -6,7 +6,8 @@ import pytest
 
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
-from iterserve.executor.base import KVCacheSpec, check_executor
+from iterserve.executor.base import check_executor
+from iterserve.kv.spec import KVCacheSpec
 from tests.fake_executor import FakeExecutor
 
 

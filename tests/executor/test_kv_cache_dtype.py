@@ -16,9 +16,9 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.entrypoints.args import add_engine_args
-from iterserve.executor.base import KVCacheSpec, num_blocks_for
 from iterserve.executor.model_runner import ModelRunner, kv_dtype_name
 from iterserve.executor.tp_executor import TPExecutor
+from iterserve.kv.spec import KVCacheSpec, num_blocks_for
 from iterserve.kv_transfer.shm_connector import ShmConnector
 from iterserve.sampling_params import SamplingParams
 from tests.engine.test_disagg import generate_pd
