@@ -24,8 +24,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<10} {doc}")
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
+    handed = {}
+    if argv[0] == "serve":  # the server imports no tool: the simulator's SLO what-if is handed in from here
+        from iterserve.sim.server_whatif import whatif_for
+        handed["whatif_for"] = whatif_for
     try:
-        return module.main(argv[1:]) or 0
+        return module.main(argv[1:], **handed) or 0
     except (ValueError, OSError) as exc:  # a user's mistake (a bad path, a bad value): one line, no traceback
         print(f"iterserve {argv[0]}: error: {exc}", file=sys.stderr)
         return 2

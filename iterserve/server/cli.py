@@ -7,9 +7,13 @@ import logging
 import os
 import socket
 import time
+from typing import TYPE_CHECKING
 
 from iterserve.config import ServerConfig
 from iterserve.entrypoints.args import HelpFormatter, add_config_args, add_engine_args, config_from_args, fail
+
+if TYPE_CHECKING:
+    from iterserve.server.dashboard import WhatIfFor
 
 logger = logging.getLogger("iterserve.server")
 
@@ -47,7 +51,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, whatif_for: WhatIfFor | None = None) -> int:
+    """`whatif_for` builds the diagnostics' SLO what-if (iterserve/cli.py hands in the simulator's)."""
     args = build_parser().parse_args(argv)
     server, config = config_from_args(args, ServerConfig), config_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.stats.num_kv_blocks, config.cache_config.block_size)
     diagnostics = None
     if server.diagnostics and not args.pd:  # diagnostics read one engine's scheduler
-        diagnostics = make_diagnostics(engine, server.slo_ttft, server.slo_tpot)
+        diagnostics = make_diagnostics(engine, server.slo_ttft, server.slo_tpot, whatif_for)
     app = build_app(async_engine, name, api_key=server.api_key, max_request_bytes=server.max_request_bytes,
                     allowed_origins=origins, diagnostics=diagnostics)
     if server.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:

@@ -10,26 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from collections import deque
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
-from iterserve.engine.diagnostics import Capacity, Diagnostics, Slo
+from iterserve.engine.diagnostics import Capacity, Diagnostics, Slo, WhatIf
 from iterserve.engine.stats import EngineStats
 from iterserve.outputs import RequestOutput
 from iterserve.server.async_engine import AsyncEngine
 from iterserve.server.metrics import ServerMetrics
 
+if TYPE_CHECKING:
+    from iterserve.engine.engine import Engine
+
 logger = logging.getLogger("iterserve.server")
 
 STATIC = resources.files("iterserve.server") / "static"
+
+# Builds an engine's SLO what-if, or None where nothing models it. The CLI hands one in
+# (iterserve/sim/server_whatif.py): the server imports neither the simulator nor the bench.
+WhatIfFor = Callable[["Engine"], "WhatIf | None"]
 
 
 class StepRecorder:
@@ -92,61 +98,12 @@ def fan_out(first: Callable | None, *observers: Callable | None) -> Callable:
     return on_step
 
 
-def make_diagnostics(engine, slo_ttft: float | None = None, slo_tpot: float | None = None) -> Diagnostics:
-    """The server's diagnostics over this engine; SLO misses are replayed on the simulator where it can
-    model what is served (a simulated engine, or this CPU's calibrated profile)."""
-    whatif = _LazyWhatIf(engine) if _may_simulate(engine) else None
+def make_diagnostics(engine: Engine, slo_ttft: float | None = None, slo_tpot: float | None = None,
+                     whatif_for: WhatIfFor | None = None) -> Diagnostics:
+    """The server's diagnostics over this engine; SLO misses get the what-if `whatif_for` builds for it
+    (the CLI hands in the simulator's), or none."""
+    whatif = whatif_for(engine) if whatif_for is not None else None
     return Diagnostics(Capacity.of_engine(engine), Slo(slo_ttft, slo_tpot), whatif=whatif)
-
-
-class _LazyWhatIf:
-    """The simulator's what-if, built at the first SLO miss: importing the simulator and resolving this
-    CPU's profile would otherwise sit between a loaded model and a ready server."""
-
-    def __init__(self, engine) -> None:
-        self._engine, self._whatif, self._built = engine, None, False
-        self._lock = threading.Lock()
-
-    def __call__(self, *args):
-        with self._lock:
-            if not self._built:
-                self._built = True
-                system = simulated_system(self._engine)
-                if system is not None:
-                    from iterserve.sim.whatif import SimulatorWhatIf
-                    base = {k: v for k, v in self._engine.config.flat().items()
-                            if k not in ("max_num_seqs", "max_num_batched_tokens")}
-                    self._whatif = SimulatorWhatIf(*system, {**base, "model": system[0].name})
-        return self._whatif(*args) if self._whatif is not None else None
-
-
-def _may_simulate(engine) -> bool:
-    """simulated_system's cheap checks, without importing the simulator (a SimulatedExecutor's engine has)."""
-    sim = sys.modules.get("iterserve.sim.executor")
-    if sim is not None and isinstance(engine.executor, sim.SimulatedExecutor):
-        return True
-    from iterserve.executor.model_runner import ModelRunner
-    return (isinstance(engine.executor, ModelRunner) and engine.executor.device.type == "cpu"
-            and engine.config.speculative_config.speculative_method is None)
-
-
-def simulated_system(engine):
-    """(model spec, hardware spec) for the what-if replay, or None where the simulator has no model of it."""
-    from iterserve.sim.executor import SimulatedExecutor
-    executor = engine.executor
-    if isinstance(executor, SimulatedExecutor):
-        return executor.model, executor.hardware
-    from iterserve.executor.model_runner import ModelRunner
-    if not isinstance(executor, ModelRunner) or executor.device.type != "cpu":  # the CPU profile models only that
-        return None
-    if engine.config.speculative_config.speculative_method is not None:
-        return None  # the simulator does not model draft acceptance
-    from iterserve.sim.cli import resolve_cpu_profile
-    try:
-        return resolve_cpu_profile(model=engine.config.model_config.model or None)
-    except (ValueError, OSError) as exc:
-        logger.info("diagnostics: no simulator model of this deployment (%s); SLO misses get no what-if", exc)
-        return None
 
 
 def mount(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics,

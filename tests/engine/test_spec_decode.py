@@ -265,7 +265,8 @@ def test_reference_prompts_greedy_tokens_equal_with_speculation(default_runner, 
 
 
 def test_the_servers_diagnostics_replay_nothing_on_the_simulator_with_speculation(tiny_runner):
-    from iterserve.server.dashboard import make_diagnostics, simulated_system
+    from iterserve.server.dashboard import make_diagnostics
+    from iterserve.sim.server_whatif import simulated_system, whatif_for
     engine = Engine(EngineConfig(dtype="float32", device="cpu", block_size=4, num_kv_blocks=256, **SPEC), tiny_runner)
     assert simulated_system(engine) is None
-    assert make_diagnostics(engine).whatif is None
+    assert make_diagnostics(engine, whatif_for=whatif_for).whatif is None

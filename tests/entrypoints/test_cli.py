@@ -1,6 +1,7 @@
 """The command line as a new user meets it: one-line errors, every flag with its help and default,
 and one default per engine setting across commands."""
 import argparse
+import json
 import socket
 import subprocess
 import sys
@@ -82,9 +83,36 @@ def test_tune_lists_only_what_it_uses():
     assert not {"--sweep", "--targets", "--plot"} & set(flags)
 
 
-def test_the_server_imports_no_plotting_and_no_bench():
-    code = ("import sys, iterserve.server.app, iterserve.server.cli; "
-            "print(sorted(m for m in sys.modules if m.startswith(('matplotlib', 'iterserve.bench'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+# What a server holds of the tools: after start-up, and after its diagnostics handled an SLO miss on a CPU
+# engine (one the simulator could model) with no what-if handed in. The what-if once imported sim/ there.
+SERVER_IMPORTS = """
+import json, sys
+import iterserve.server.app, iterserve.server.cli
+from iterserve.config import EngineConfig
+from iterserve.engine import Engine
+from iterserve.engine.diagnostics import FinishedRequest
+from iterserve.server.dashboard import make_diagnostics
+tools = lambda: sorted(m for m in sys.modules if m.startswith(("matplotlib", "iterserve.bench", "iterserve.sim")))
+at_start = tools()
+diagnostics = make_diagnostics(Engine(EngineConfig(num_kv_blocks=64)), slo_ttft=0.001)
+for i in range(diagnostics.thresholds.min_requests):
+    diagnostics.observe_finished(FinishedRequest(f"r{i}", 1.0, 0.0, 8, 8, 1.0, 0.01, 0))
+print(json.dumps({"at_start": at_start, "missed": sorted(diagnostics.evaluate(2.0)), "after_miss": tools()}))
+"""
+
+
+def test_the_server_imports_no_plotting_no_bench_and_no_simulator():
+    out = subprocess.run([sys.executable, "-c", SERVER_IMPORTS], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"at_start": [], "missed": ["slo_ttft"], "after_miss": []}
+
+
+def test_serve_is_handed_the_simulators_whatif(monkeypatch):
+    from iterserve import cli
+    from iterserve.server import cli as serve_cli
+    from iterserve.sim.server_whatif import whatif_for
+    handed = {}
+    monkeypatch.setattr(serve_cli, "main", lambda argv, **kwargs: handed.update(kwargs, argv=argv))
+    assert cli.main(["serve", "--port", "1"]) == 0
+    assert handed == {"argv": ["--port", "1"], "whatif_for": whatif_for}

@@ -95,10 +95,10 @@ def test_serve_starts_and_serves_through_the_serving_tokenizer(default_model_pat
 
 
 def test_the_diagnostics_what_if_is_built_at_its_first_use(monkeypatch):
-    from iterserve.server import dashboard
+    from iterserve.sim import server_whatif
     built = []
-    monkeypatch.setattr(dashboard, "simulated_system", lambda engine: built.append(engine))  # no model of it: None
-    whatif = dashboard._LazyWhatIf("the engine")
+    monkeypatch.setattr(server_whatif, "simulated_system", lambda engine: built.append(engine))  # no model: None
+    whatif = server_whatif._LazyWhatIf("the engine")
     assert built == []  # nothing imported or resolved before /health
     assert whatif("window", "capacity", "slo") is None and whatif("window", "capacity", "slo") is None
     assert built == ["the engine"]  # resolved once
