@@ -13,6 +13,7 @@ COMMANDS = {
     "calibrate": ("iterserve.sim.calibrate", "measure this machine for the simulator's cpu-local preset"),
     "tune": ("iterserve.sim.tune", "search engine settings for the best goodput under SLOs"),
     "diagnose": ("iterserve.sim.diagnose", "capacity diagnostics of a bench or simulate report, offline"),
+    "env": ("iterserve.entrypoints.env", "this CPU's kernel paths and the versions that matter"),
 }
 
 

@@ -10,6 +10,7 @@ steps run eagerly. The KV pool is sized from the free device memory after a prof
 """
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -29,14 +30,15 @@ from iterserve.heap import advise_huge_pages
 from iterserve.model.attention import in_pairs, pairs_to_rows, rows_to_pairs
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
-from iterserve.model import weight_cache
-from iterserve.model.cpu_kernels import cpu_has_bf16, linear_kernel, prebuild
+from iterserve.model import cpu_paths, weight_cache
+from iterserve.model.cpu_kernels import linear_kernel, prebuild
 from iterserve.model.loader import ModelArch, default_model_path
 from iterserve.model.quant import weight_only_on_panels
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger("iterserve.executor")
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
 
 
@@ -57,7 +59,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.float32
     if name != "auto":
         return _DTYPES[name]
-    return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if device.type == "cuda" or cpu_paths.current().bf16_arithmetic else torch.float32
 
 
 def storage_dtype(name: str, device: torch.device, quantization: str | None = None) -> torch.dtype:
@@ -136,6 +138,9 @@ class ModelRunner:
             panel_cache.save()
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
         self.storage_dtype = self.model.weight_dtype  # weights and KV pool; given weights as the caller made them
+        if self.device.type == "cpu" and tp is None:
+            logger.info("%s; this model: %s, C decode loop %s", cpu_paths.current().summary(), self.dtype,
+                        "on" if self.model.decode_layers is not None else "off")
         self.tokenizer = tokenizer if pending_tokenizer is None else pending_tokenizer.result()
         self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
         weight_cache.release_load_buffers()  # after the tokenizer: a cold one leaves the GGUF conversion's garbage

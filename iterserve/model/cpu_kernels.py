@@ -63,12 +63,6 @@ def cpu_flags() -> bytes:
         return b""
 
 
-def cpu_has_bf16() -> bool:
-    """avx512_bf16 or AMX: bf16 matmuls run natively, at half the weight bytes of float32."""
-    flags = cpu_flags()
-    return b"avx512_bf16" in flags or b"amx_bf16" in flags
-
-
 def cache_dir() -> Path:
     """~/.cache/iterserve (XDG_CACHE_HOME respected): the built kernels, and the weights (weight_cache.py)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -401,6 +395,12 @@ def _linear_builds(name: str, extra_flags: tuple[str, ...]) -> bool:
 def linear_pairs_supported(extra_flags: tuple[str, ...] = ()) -> bool:
     """Whether cpu_linear.cpp's build takes bfloat16 panels in the pairs layout (AVX-512 BF16 dot products)."""
     return _linear_builds("pairs", extra_flags)
+
+
+@functools.cache
+def linear_amx_supported(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether cpu_linear.cpp's build runs the pairs layout on AMX tiles (from a few rows on), the OS granting them."""
+    return _linear_builds("amx", extra_flags)
 
 
 @functools.cache

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from iterserve.model import cpu_kernels
+from iterserve.model import cpu_kernels, cpu_paths
 
 INT4_GROUP = cpu_kernels.INT4_GROUP  # the GGUF block size, so a Q4_0/Q4_1 tensor maps group for group
 
@@ -207,16 +207,11 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
 
 def panel_layout(dtype: torch.dtype) -> str | None:
     """The C++ kernel's panel layout pack_float gives a CPU weight of this dtype, or None (oneDNN's
-    layout, or no kernel here): "plain" for float32, and for bfloat16 on a CPU without native bf16
-    (widened in registers); "pairs" for bfloat16 on AVX-512 BF16 (its dot products). On AMX, whose
-    bf16 tiles oneDNN uses, bfloat16 weights stay oneDNN's (not measured against the pairs kernel)."""
-    if cpu_kernels.linear_kernel() is None or dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if dtype == torch.float32 or not cpu_kernels.cpu_has_bf16():
-        return "plain"
-    if b"amx_bf16" not in cpu_kernels.cpu_flags() and cpu_kernels.linear_pairs_supported():
-        return "pairs"
-    return None
+    layout, or no kernel here): "plain" for float32; for bfloat16 what cpu_paths decides for this CPU
+    ("plain", widened in registers, without native bf16; "pairs" on AVX-512 BF16 and AMX)."""
+    if dtype == torch.float32:
+        return "plain" if cpu_kernels.linear_kernel() is not None else None
+    return cpu_paths.current().bf16_layout if dtype == torch.bfloat16 else None
 
 
 def pack_float(w: torch.Tensor, panels: bool = False) -> Weight:

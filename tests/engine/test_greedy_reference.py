@@ -10,7 +10,7 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model.cpu_kernels import cpu_has_bf16
+from iterserve.model import cpu_paths
 from iterserve.sampling_params import SamplingParams
 
 PROMPT_LENS = [3, 7, 16, 33, 64, 100, 180, 300]
@@ -153,7 +153,7 @@ def test_bfloat16_is_as_close_to_float32_as_transformers_bf16(prompts, reference
     far from float32 as transformers' own bf16 is (at most twice as many positions off): at each position, both teacher-forced on our
     tokens, how often the greedy token differs from float32's. (Whole prompts that part within 8
     tokens were counted before: a statistic of 8 coin flips, which any last-bit change moved.)"""
-    if not fused_ops and not cpu_has_bf16():
+    if not fused_ops and not cpu_paths.current().bf16_arithmetic:
         pytest.skip("torch's own bf16 ops are checked where bf16 is native; emulated, they make the suite's "
                     "slowest test (the fused-op run still checks bf16 here)")
     runner = ModelRunner(EngineConfig(dtype="bfloat16", num_kv_blocks=128))

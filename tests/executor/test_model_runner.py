@@ -141,7 +141,7 @@ def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(r
     """The default on a CPU without bf16 instructions (where the kernels build): half float32's bytes
     per step and per cached token, float32 arithmetic; greedy tokens as the float32 runner's here."""
     from iterserve.executor.model_runner import storage_dtype
-    from iterserve.model import cpu_kernels
+    from iterserve.model import cpu_kernels, cpu_paths
     from iterserve.model.quant import PanelWeight
     if cpu_kernels.linear_kernel() is None:
         pytest.skip("cpu_linear.cpp not built here")
@@ -156,7 +156,7 @@ def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(r
     # (beside weight-only int8/int4 too where they run on the kernel's panels; torch's kernels and w8a8 take
     # the arithmetic's dtype)
     assert storage_dtype("auto", cpu) == torch.bfloat16
-    bf16_cpu, weight_only = cpu_kernels.cpu_has_bf16(), cpu_kernels.linear_weight_only_supported()
+    bf16_cpu, weight_only = cpu_paths.current().bf16_arithmetic, cpu_kernels.linear_weight_only_supported()
     assert storage_dtype("auto", cpu, "int8") == (torch.bfloat16 if bf16_cpu or weight_only else torch.float32)
     assert storage_dtype("auto", cpu, "w8a8") == (torch.bfloat16 if bf16_cpu else torch.float32)
     if weight_only:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model import cpu_kernels
+from iterserve.model import cpu_kernels, cpu_paths
 from iterserve.model.loader import load_model_arch, load_weights
 from iterserve.model.quant import PanelWeight, linear, pack_float, panel_layout
 from iterserve.sampling_params import SamplingParams
@@ -209,14 +209,10 @@ def test_panels_are_carved_from_shared_huge_page_mappings_and_freed_with_their_w
 
 
 @needs_kernel
-@pytest.mark.parametrize("flags,layout", [(b"flags : avx512f avx512bw", "plain"), (b"flags : avx512f avx512_bf16", "pairs"),
-                                          (b"flags : avx512f avx512_bf16 amx_bf16", None)])
-def test_bfloat16_weights_take_the_panels_this_cpu_runs_fastest(monkeypatch, flags, layout):
-    """Without AVX-512 BF16 / AMX oneDNN emulates bf16: the kernel widens plain panels. With AVX-512 BF16
-    the kernel's dot products take the pairs layout (where this build has them); with AMX oneDNN keeps them."""
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
-    if layout == "pairs" and not cpu_kernels.linear_pairs_supported():
-        layout = None
+def test_bfloat16_weights_take_the_panels_cpu_paths_chose():
+    """Whatever this CPU is, pack_float gives bfloat16 weights the layout cpu_paths names, and the
+    kernel that runs it matches torch's product."""
+    layout = cpu_paths.current().bf16_layout
     torch.manual_seed(3)
     w, x, bias = torch.randn(70, 48).bfloat16(), torch.randn(3, 48).bfloat16(), torch.randn(70).bfloat16()
     packed = pack_float(w)
