@@ -24,7 +24,7 @@ def cpu_model() -> str:
 def report() -> dict:
     paths = cpu_paths.current()
     return {"iterserve": iterserve.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "cpu": cpu_model(), "cores": os.cpu_count(), "cuda": torch.cuda.is_available(),
+            "cpu": cpu_model(), "isa_cap": cpu_kernels.ISA_CAP, "cores": os.cpu_count(), "cuda": torch.cuda.is_available(),
             "kernel_cache": str(cpu_kernels.cache_dir()), "paths": {**{f: getattr(paths, f) for f in paths.__slots__},
                                                                     "default_dtype": paths.default_dtype,
                                                                     "decode_loop": paths.decode_loop},
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    for key in ("iterserve", "torch", "python", "cpu", "cores", "cuda", "kernel_cache"):
+    for key in ("iterserve", "torch", "python", "cpu", "isa_cap", "cores", "cuda", "kernel_cache"):
         print(f"{key:<18} {info[key]}")
     for key, value in info["paths"].items():
         print(f"{key:<18} {value}")

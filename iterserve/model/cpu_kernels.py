@@ -39,7 +39,21 @@ LINEAR_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 DECODE_SOURCE = Path(__file__).with_name("cpu_decode.cpp")  # cpu_decode.py's
 OPS_FLAG = "-ffp-contract=off"  # cpu_ops.cpp's: no fused multiply-adds (see its top)
 PANEL = 32  # outputs per weight panel: cpu_linear.cpp's kPanel
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# ITERSERVE_CPU_ISA=<one of cpu_paths.ISAS> runs this CPU as one that has no more than that: the kernels
+# are built without the wider instructions and cpu_flags() hides their flags, so every path a smaller
+# x86 CPU takes can be run and tested here (an AMX Xeon runs the AVX2 path as a Zen 3 would).
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+ISA_CAPS = {  # the cap -> (flags the build adds, prefixes of the cpuinfo flags hidden)
+    "amx": ((), ()),
+    "avx512_bf16": (_NO_AMX, (b"amx",)),
+    "avx512": (("-mno-avx512bf16", *_NO_AMX), (b"amx", b"avx512_bf16")),
+    "avx2": (("-mno-avx512f", *_NO_AMX), (b"amx", b"avx512")),
+    "baseline": (("-mno-avx2", "-mno-fma", "-mno-avx512f", *_NO_AMX), (b"amx", b"avx512", b"avx2", b"fma")),
+}
+ISA_CAP = os.environ.get("ITERSERVE_CPU_ISA", "amx")
+if ISA_CAP not in ISA_CAPS:
+    raise ValueError(f"ITERSERVE_CPU_ISA={ISA_CAP!r}: expected one of {', '.join(ISA_CAPS)}")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", *ISA_CAPS[ISA_CAP][0]]
 DEFAULT_BUILDS = ((SOURCE, FLAGS), (LINEAR_SOURCE, FLAGS), (OPS_SOURCE, [*FLAGS, OPS_FLAG]), (DECODE_SOURCE, FLAGS))
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIXED = 2  # the kernels' code for float32 activations over bfloat16 weights or K/V (--dtype bf16-storage)
@@ -55,12 +69,14 @@ INT8_GROUP = 64  # cpu_linear.cpp's kGroup: inputs an activation scale covers, a
 
 @functools.cache
 def cpu_flags() -> bytes:
-    """/proc/cpuinfo's flags line (b"" where unreadable)."""
+    """/proc/cpuinfo's flags line (b"" where unreadable), less what ITERSERVE_CPU_ISA hides."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
+            line = next((line for line in f if line.startswith(b"flags")), b"")
     except OSError:
         return b""
+    hidden = ISA_CAPS[ISA_CAP][1]
+    return b" ".join(word for word in line.split() if not word.startswith(hidden))
 
 
 def cache_dir() -> Path:

@@ -11,6 +11,9 @@ The paths, widest first:
   storage); int8 x int8 where VNNI is there (w8a8).
 - avx2 (with FMA): bf16 storage as above; weight-only int8/int4 summed in integers on the kernel's panels.
 - baseline: no vector kernel (or no compiler): torch's ops in float32.
+
+ITERSERVE_CPU_ISA=<a path> caps the CPU at that path (cpu_kernels.ISA_CAPS): the kernels are built
+without the wider instructions and their flags are hidden, so a wide CPU runs and tests a narrower one's.
 """
 from __future__ import annotations
 

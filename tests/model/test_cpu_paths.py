@@ -3,8 +3,10 @@ that this machine's builds run what it says, and the AMX tiles against the vdpbf
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,3 +95,20 @@ def test_amx_keeps_a_nan_in_its_row():
     x[5, 9] = float("nan")
     got = cpu_kernels.linear(x, cpu_kernels.pack_panels(w, pairs=True), 64)
     assert got[5].isnan().all() and not got[torch.arange(20) != 5].isnan().any()
+
+
+@pytest.mark.skipif(cpu_kernels.linear_weight_only_supported() or cpu_kernels.linear_weight_only_supported(
+    ("-mno-avx512f",)) is False, reason="this CPU runs the weight-only panels natively (the tests run there)")
+def test_a_wider_cpu_runs_the_avx2_paths_under_a_cap():
+    """On an AVX-512 CPU the decode loop's weight-only int8/int4 cases skip (their panels are the AVX2
+    build's): ITERSERVE_CPU_ISA=avx2 runs them here as a Zen 3 would, and cpu_paths says avx2."""
+    env = {**os.environ, "ITERSERVE_CPU_ISA": "avx2"}
+    probe = subprocess.run([sys.executable, "-m", "iterserve.cli", "env", "--json"], capture_output=True, text=True,
+                           timeout=120, check=True, env=env).stdout
+    paths = json.loads(probe)["paths"]
+    assert (paths["isa"], paths["weight_only_panels"], paths["amx_tiles"]) == ("avx2", True, False)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "auto-int8 or int8-int8 or int4",
+                          "tests/model/test_cpu_decode.py::test_decode_steps_in_c_give_the_python_loops_logits_and_cache"],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "24 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
