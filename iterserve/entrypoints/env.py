@@ -26,7 +26,7 @@ def report() -> dict:
     return {"iterserve": iterserve.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "cpu": cpu_model(), "isa_cap": cpu_kernels.ISA_CAP, "cores": os.cpu_count(), "cuda": torch.cuda.is_available(),
             "kernel_cache": str(cpu_kernels.cache_dir()), "paths": {**{f: getattr(paths, f) for f in paths.__slots__},
-                                                                    "default_dtype": paths.default_dtype,
+                                                                    "default_dtype": paths.default_dtype, "torch_prompt_attention": paths.torch_prompt_attention,
                                                                     "decode_loop": paths.decode_loop},
             "summary": paths.summary()}
 

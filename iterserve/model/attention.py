@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from iterserve.model import cpu_kernels
+from iterserve.model import cpu_kernels, cpu_paths
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.kv_quant import dequantize_kv, quantize_kv
 
@@ -87,6 +87,8 @@ class AttentionPlan:
     num_threads: int = 1
     kernels: bool = False  # C++ K/V write, and prompt rows through the causal kernel where it supports them
     pairs: bool = False  # a bfloat16 cache is in the pair layout (see the module's doc); int8 ones never are
+    # unwindowed prompt rows through torch's flash kernel in their dtype, not the causal kernel (cpu_paths)
+    torch_prompts: bool = False
     # set by the first layer, which sees the cache's shape, and reused by the others:
     decode_kv_rows: torch.Tensor | None = None  # [Bd * Hkv * L] rows of layer_cache[0].view(-1, D), head-major
     decode_ctx: torch.Tensor | None = None  # [2, Bd, Hkv, L, D] the gather target
@@ -134,7 +136,8 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype,
         prompts.append(PromptSeq(slice(s, s + q_len), seq_len, fresh,
                                  md.block_tables[b, : -(-seq_len // block_size)].long(), mask))
     return AttentionPlan(block_size, md.slot_mapping, decode_rows, decode_all, decode_blocks, decode_bias, prompts,
-                         workspace, decode_tables, decode_seq_lens, torch.get_num_threads(), use_kernel, pairs)
+                         workspace, decode_tables, decode_seq_lens, torch.get_num_threads(), use_kernel, pairs,
+                         use_kernel and cpu_paths.current().torch_prompt_attention)
 
 
 def _kv_rows(blocks: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
@@ -252,15 +255,16 @@ def _prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torc
             p: PromptSeq, scale: float, plan: AttentionPlan, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     if not p.fresh or layer_cache.dtype != q.dtype:
         k, v = _cached_context(layer_cache, p, q.dtype, in_pairs(plan.pairs, layer_cache))
-    if plan.kernels and not softcap and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
+    in_torch = plan.torch_prompts and not window
+    if plan.kernels and not softcap and not in_torch and cpu_kernels.prompt_attention_supported(q.dtype, q.shape[-1]):
         return cpu_kernels.prompt_attention(q, k, v, scale, plan.num_threads, window)  # causal, bottom-right aligned
     if window or softcap:
         return _masked_prompt(q, k, v, p, scale, window, softcap)
     # 4-D [1, H, T, D]: torch's CPU flash kernel takes only 4-D inputs; 3-D falls back to the math
-    # path (~2x slower at 512 tokens, measured). On CPU its float32 kernel is faster than its bf16
-    # one (5.7 vs 8.1 ms for 512 tokens, 9 heads), and more exact: widen, attend, narrow.
+    # path (~2x slower at 512 tokens, measured). Without AMX its float32 kernel is faster than its bf16
+    # one, and more exact: widen, attend, narrow. On AMX its bf16 one runs on the tiles (cpu_paths).
     dtype = q.dtype
-    wide = torch.float32 if q.device.type == "cpu" else dtype
+    wide = torch.float32 if q.device.type == "cpu" and not in_torch else dtype
     out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None].to(wide) for x in (q, k, v)),
                                          attn_mask=p.mask, is_causal=p.fresh, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).to(dtype)

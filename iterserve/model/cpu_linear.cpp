@@ -462,6 +462,12 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
 // accumulator tiles (tmm0-3) against two tiles of x (tmm4-5) and the panel's two halves (tmm6-7).
 // From kAmxRows rows on it beats the vdpbf16ps tiles (docs/performance.md has the crossover).
 constexpr int64_t kAmxRows = 4;
+// x goes over the panels in chunks of rows of about this many bytes, which stay in L2 while a thread's
+// panels stream past; the panels are re-read once a chunk (from L3 at these sizes).
+#ifndef ITERSERVE_AMX_CHUNK
+#define ITERSERVE_AMX_CHUNK (1 << 20)
+#endif
+constexpr int64_t kAmxChunkBytes = ITERSERVE_AMX_CHUNK;
 
 // Linux grants the tile state to a process on request (ARCH_REQ_XCOMP_PERM); then every thread has it.
 bool amx_permitted() {
@@ -541,24 +547,28 @@ void linear_amx(const uint16_t* x, int64_t ldx, const uint16_t* panels, const ui
     {
         configure_tiles();
         alignas(64) float c[32 * kPanel];
+        const int64_t chunk = std::max<int64_t>(32, kAmxChunkBytes / (2 * K) / 32 * 32);
+        for (int64_t c0 = 0; c0 == 0 || c0 < whole; c0 += chunk) {
+            const int64_t c1 = std::min(whole, c0 + chunk);
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_panels; ++p) {
-            const int64_t n0 = p * kPanel;
-            const int valid = int(std::min<int64_t>(kPanel, N - n0));
-            const uint16_t* w = panels + p * K * kPanel;
-            const uint16_t* b = bias ? bias + n0 : nullptr;
-            int64_t m0 = 0;
-            for (; m0 + 32 <= whole; m0 += 32) {
-                amx_block<32>(x + m0 * ldx, ldx, w, K, c);
-                store_block(c, 32, y + m0 * N + n0, N, valid, b);
-            }
-            if (m0 < whole) {
-                amx_block<16>(x + m0 * ldx, ldx, w, K, c);
-                store_block(c, 16, y + m0 * N + n0, N, valid, b);
-            }
-            if (tail) {
-                amx_block<16>(tail_x, K, w, K, c);
-                store_block(c, int(tail), y + whole * N + n0, N, valid, b);
+            for (int64_t p = 0; p < num_panels; ++p) {
+                const int64_t n0 = p * kPanel;
+                const int valid = int(std::min<int64_t>(kPanel, N - n0));
+                const uint16_t* w = panels + p * K * kPanel;
+                const uint16_t* b = bias ? bias + n0 : nullptr;
+                int64_t m0 = c0;
+                for (; m0 + 32 <= c1; m0 += 32) {
+                    amx_block<32>(x + m0 * ldx, ldx, w, K, c);
+                    store_block(c, 32, y + m0 * N + n0, N, valid, b);
+                }
+                if (m0 < c1) {
+                    amx_block<16>(x + m0 * ldx, ldx, w, K, c);
+                    store_block(c, 16, y + m0 * N + n0, N, valid, b);
+                }
+                if (tail && c1 == whole) {
+                    amx_block<16>(tail_x, K, w, K, c);
+                    store_block(c, int(tail), y + whole * N + n0, N, valid, b);
+                }
             }
         }
         _tile_release();

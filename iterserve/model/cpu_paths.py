@@ -45,6 +45,13 @@ class CpuPaths:
         linears must be in the kernel's panels."""
         return self.bf16_layout is not None
 
+    @property
+    def torch_prompt_attention(self) -> bool:
+        """Whether unwindowed bfloat16 prompts attend through torch's flash kernel rather than
+        cpu_attention.cpp's causal one: on AMX torch's runs its matmuls on the tiles, 2-3x the
+        vdpbf16ps kernel at 512-2,048 tokens (docs/performance.md)."""
+        return self.amx_tiles
+
     def summary(self) -> str:
         linear = {"pairs": "pairs panels" + (" on AMX tiles (vdpbf16ps below a few rows)" if self.amx_tiles
                                              else " on vdpbf16ps"),
@@ -52,6 +59,7 @@ class CpuPaths:
         quant = [name for name, on in (("w8a8 (VNNI)", self.w8a8), ("int8/int4 panels", self.weight_only_panels)) if on]
         return (f"cpu {self.isa}: default dtype {self.default_dtype}; bf16 weights: {linear}; "
                 f"C decode loop {'on' if self.decode_loop else 'off'}; "
+                f"prompt attention: {'torch flash (AMX)' if self.torch_prompt_attention else 'own kernel'}; "
                 f"quantized kernels: {', '.join(quant) or 'torch only'}")
 
 
