@@ -485,7 +485,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--openvino-python", default=None, help="python of a venv with openvino_genai and optimum-intel")
     p.add_argument("--serve-args", default="", help="more `iterserve serve` flags, one shell-quoted string")
     p.add_argument("--quantized", default="w8a8", help="run iterserve (HTTP and offline) again with --quantization "
-                   "this (default w8a8 where the CPU has AVX-512 VNNI); '' for none")
+                   "this (default w8a8 where the CPU has AVX-512 VNNI); '' for none; bf16: the default weights "
+                   "again, for --quantized-kv-cache-dtype")
     p.add_argument("--quantized-kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="the --quantized rows' KV cache (int8: as OpenVINO's u8 default; llama.cpp's is f16)")
     p.add_argument("--llama-args", default="", help="more llama-server flags, one shell-quoted string")
@@ -523,10 +524,17 @@ def setup_peers(args: argparse.Namespace, model: Path, skip: set[str]) -> dict:
     return got
 
 
+def weight_flag(flag: str, mode: str) -> list[str]:
+    """The --quantized rows' weight flag: none for bf16 (the default weights, another KV cache)."""
+    return [] if mode == "bf16" else [flag, mode]
+
+
 def quantized_mode(name: str) -> str | None:
     """--quantized, or None where it is '' or 'none' or this CPU's build cannot run it (said once, not an error)."""
     if name in ("", "none"):
         return None
+    if name == "bf16":  # the default weights again, for the rows' KV cache alone (--quantized-kv-cache-dtype)
+        return name
     from iterserve.model.quant import check_supported
     import torch
     try:
@@ -597,7 +605,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     servers = [("iterserve-http", "iterserve serve", serve)]
     if quantized:
         servers.append(("iterserve-http", f"iterserve serve {label}",
-                        serve + ["--quantization", quantized, "--kv-cache-dtype", args.quantized_kv_cache_dtype]))
+                        serve + [*weight_flag("--quantization", quantized), "--kv-cache-dtype",
+                                 args.quantized_kv_cache_dtype]))
     servers.append(("llama-q4_1", f"llama-server {model.name}", llama(model)))
     servers += [(t, f"llama-server {peers[t].name}", llama(peers[t])) for t in LLAMA_COPIES if t in peers]
     for key, name, cmd in servers:
@@ -611,8 +620,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             cmd = [sys.executable, os.path.abspath(__file__), "--iterserve-child", "--model", str(model), *child,
                    "--kv-blocks", str(budget.tokens // BLOCK_SIZE), "--max-num-batched-tokens",
                    str(args.max_num_batched_tokens),
-                   *(["--child-quantization", mode, "--child-kv-cache-dtype", args.quantized_kv_cache_dtype]
-                     if mode else [])]
+                   *([*weight_flag("--child-quantization", mode), "--child-kv-cache-dtype",
+                      args.quantized_kv_cache_dtype] if mode else [])]
             name = f"iterserve LLM {label}" if mode else "iterserve LLM"
             offline.append(guarded(name, lambda: offline_row(run_child(name, cmd, 3600), trace)))
         for fmt, ir in peers.get("ov_models", {}).items():
