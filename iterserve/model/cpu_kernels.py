@@ -415,7 +415,7 @@ def linear_pairs_supported(extra_flags: tuple[str, ...] = ()) -> bool:
 
 @functools.cache
 def linear_amx_supported(extra_flags: tuple[str, ...] = ()) -> bool:
-    """Whether cpu_linear.cpp's build runs the pairs layout on AMX tiles (from a few rows on), the OS granting them."""
+    """Whether cpu_linear.cpp's build runs the pairs layout on AMX tiles, the OS granting them."""
     return _linear_builds("amx", extra_flags)
 
 

@@ -460,8 +460,11 @@ void linear(const T* x, int64_t ldx, const W* panels, const T* bias, T* y, int64
 // load as two tiles 128 bytes apart, and x's rows load in place as the first operand. One
 // tdpbf16ps does 16 x 16 x 32 multiply-adds; a block of 32 rows by one panel keeps four float32
 // accumulator tiles (tmm0-3) against two tiles of x (tmm4-5) and the panel's two halves (tmm6-7).
-// From kAmxRows rows on it beats the vdpbf16ps tiles (docs/performance.md has the crossover).
-constexpr int64_t kAmxRows = 4;
+// Every row count takes the tiles, one row too: a row's sums then do not depend on how many rows
+// share the call (a speculative verify step's rows equal the decode steps' bits; vdpbf16ps sums in
+// another order). At one row it costs nothing over a weight stream from memory and ~17% over
+// in-cache weights; from 8 rows on it is 2-7x the vdpbf16ps tiles (docs/performance.md).
+constexpr int64_t kAmxRows = 1;
 // x goes over the panels in chunks of rows of about this many bytes, which stay in L2 while a thread's
 // panels stream past; the panels are re-read once a chunk (from L3 at these sizes).
 #ifndef ITERSERVE_AMX_CHUNK
@@ -842,7 +845,7 @@ int iterserve_linear_pairs_supported() {
 #endif
 }
 
-// Whether this build runs the pairs layout on AMX tiles from kAmxRows rows on, and the OS grants them.
+// Whether this build runs the pairs layout on AMX tiles, and the OS grants them.
 int iterserve_linear_amx_supported() {
 #if defined(ITERSERVE_LINEAR_AMX)
     return amx_permitted() ? 1 : 0;

@@ -4,8 +4,9 @@ and the tests ask it what to expect instead of assuming the CPU they were writte
 
 The paths, widest first:
 - amx: AVX-512 BF16 + AMX tiles. bfloat16 throughout; weights in the pairs panels, whose rows are the
-  layout a bf16 tile multiply takes, so from a few rows on (a prompt, a large decode batch) the linear
-  kernel runs them on AMX tiles and below that on vdpbf16ps; the C decode loop runs.
+  layout a bf16 tile multiply takes, so the linear kernel runs them on AMX tiles at every batch (a
+  row's bits then do not depend on its batch); unwindowed prompts attend through torch's flash
+  kernel, which runs on the tiles too; the C decode loop runs.
 - avx512_bf16 (Zen 4, Cooper Lake): the same panels on vdpbf16ps alone.
 - avx512 (no bf16 arithmetic): float32 arithmetic over bfloat16 weights widened in registers (bf16
   storage); int8 x int8 where VNNI is there (w8a8).
@@ -30,7 +31,7 @@ class CpuPaths:
     kernels: bool              # cpu_linear.cpp builds and runs here
     bf16_arithmetic: bool      # bfloat16 matmuls run natively (AVX-512 BF16 or AMX)
     bf16_layout: str | None    # bfloat16 weights' panels: "pairs", "plain" (widened), None (oneDNN's layout)
-    amx_tiles: bool            # the pairs panels run on AMX tiles from a few rows on
+    amx_tiles: bool            # the pairs panels run on AMX tiles
     w8a8: bool                 # --quantization w8a8: int8 x int8 dot products (AVX-512 VNNI)
     weight_only_panels: bool   # --quantization int8/int4 on the kernel's panels, summed in integers (AVX2)
 
@@ -53,7 +54,7 @@ class CpuPaths:
         return self.amx_tiles
 
     def summary(self) -> str:
-        linear = {"pairs": "pairs panels" + (" on AMX tiles (vdpbf16ps below a few rows)" if self.amx_tiles
+        linear = {"pairs": "pairs panels" + (" on AMX tiles" if self.amx_tiles
                                              else " on vdpbf16ps"),
                   "plain": "plain panels, widened to float32", None: "oneDNN"}[self.bf16_layout]
         quant = [name for name, on in (("w8a8 (VNNI)", self.w8a8), ("int8/int4 panels", self.weight_only_panels)) if on]

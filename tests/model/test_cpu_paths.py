@@ -68,12 +68,11 @@ needs_amx = pytest.mark.skipif(not cpu_kernels.linear_amx_supported(), reason="A
 
 
 @needs_amx
-@pytest.mark.parametrize("m", [3, 4, 15, 16, 17, 31, 32, 33, 70])
+@pytest.mark.parametrize("m", [1, 3, 4, 15, 16, 17, 31, 32, 33, 70])
 @pytest.mark.parametrize("n,k", [(70, 64), (96, 576), (1, 32), (33, 30)])
 def test_amx_tiles_sum_the_pairs_as_the_vdpbf16ps_tiles_do(m, n, k):
     """Blocks of 32 and 16 rows and a zero-padded last partial one, a last partial panel, bias or none,
-    rows read in place with a stride; K not a multiple of 32 (and M below the threshold) stays on
-    vdpbf16ps. Both float32 sums of the same bf16 products, rounded once: within a bf16 ulp of each
+    rows read in place with a stride; K not a multiple of 32 stays on vdpbf16ps. Both float32 sums of the same bf16 products, rounded once: within a bf16 ulp of each
     other and of torch's float32 product."""
     assert not cpu_kernels.linear_amx_supported(NO_AMX) and cpu_kernels.linear_pairs_supported(NO_AMX)
     torch.manual_seed(m * 7 + n + k)
@@ -112,3 +111,15 @@ def test_a_wider_cpu_runs_the_avx2_paths_under_a_cap():
                          capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[2])
     assert run.returncode == 0, run.stdout[-3000:]
     assert "24 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-1000:]
+
+
+@needs_amx
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    """One row alone, in a block of 16, in 32 + a partial block: the same bits (a speculative verify step
+    and a decode step must agree), on AMX tiles as on vdpbf16ps."""
+    w, x = torch.randn(96, 576).bfloat16(), torch.randn(40, 576).bfloat16()
+    panels = cpu_kernels.pack_panels(w, pairs=True)
+    for kernel in (None, cpu_kernels.linear_kernel(NO_AMX)):
+        alone = torch.cat([cpu_kernels.linear(x[i:i + 1], panels, 96, None, kernel) for i in range(40)])
+        for m in (2, 16, 33, 40):
+            assert torch.equal(cpu_kernels.linear(x[:m], panels, 96, None, kernel), alone[:m])
