@@ -10,6 +10,8 @@ activations dynamically).
     python benchmarks/peers.py --num-requests 4 --output-len 16   # a smoke run
     python benchmarks/peers.py --setup-only                       # build / install the peers, measure nothing
     python benchmarks/peers.py --skip openvino --llama-server ~/llama.cpp/build/bin/llama-server
+    python benchmarks/peers.py --model-shape 1b --num-requests 32      # a real size (benchmarks/model_shapes.py)
+    python benchmarks/peers.py --model-shape 8b --shape-format q4_k_m --skip llama-bf16,llama-q8_0
 
 Figures, in one table:
 - throughput: --num-requests requests of --prompt-len tokens, --concurrency in flight, --output-len
@@ -70,8 +72,10 @@ MiB = 1 << 20
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 OV_PACKAGES = ["openvino-genai==2026.4.1.0", "openvino-tokenizers", "optimum-intel", "nncf", "gguf", "accelerate"]
 OV_WEIGHTS = ("fp16", "int8", "int4")
-TARGETS = ("iterserve-http", "llama-q4_1", "llama-q8_0", "llama-bf16", "iterserve-offline", "openvino")
+TARGETS = ("iterserve-http", "llama-q4_1", "llama-q4_k_m", "llama-q8_0", "llama-bf16", "iterserve-offline",
+           "openvino")
 LLAMA_COPIES = {"llama-bf16": "BF16", "llama-q8_0": "Q8_0"}  # made from the shipped Q4_1 by llama-quantize
+SHAPE_GGUFS = {"llama-bf16": "bf16", "llama-q8_0": "q8_0", "llama-q4_k_m": "q4_k_m"}  # model_shapes.py's formats
 BLOCK_SIZE = 16  # iterserve's default --block-size
 OV_CPU_BLOCK_SIZE = 32  # OpenVINO GenAI's DeviceConfig: 32 positions a KV block on CPU (16 on GPU), not settable
 NICE = ["nice", "-n", "19"]
@@ -249,12 +253,13 @@ class Server:
 
 def build_llama_cpp(peers: Path) -> tuple[Path, Path]:
     """llama-server and llama-quantize from the llama.cpp tree vendored in llama-cpp-python's sdist."""
-    src, bins = peers / "llama.cpp-src", peers / "llama.cpp-src" / "build" / "bin"
-    server, quantize = bins / "llama-server", bins / "llama-quantize"
+    src = peers / "llama.cpp-src"
+    build, flags = llama_cpp_build(src)
+    server, quantize = build / "bin" / "llama-server", build / "bin" / "llama-quantize"
     if server.exists() and quantize.exists():
         return server, quantize
     log = peers / "llama-build.log"
-    print(f"building llama.cpp into {src} (log: {log}); this takes a while on few cores", flush=True)
+    print(f"building llama.cpp into {build} (log: {log}); this takes a while on few cores", flush=True)
     if not (src / "CMakeLists.txt").exists():
         tmp = Path(tempfile.mkdtemp(dir=peers))
         run_logged([sys.executable, "-m", "pip", "download", LLAMA_CPP_PYTHON, "--no-binary", ":all:", "--no-deps",
@@ -264,11 +269,28 @@ def build_llama_cpp(peers: Path) -> tuple[Path, Path]:
         shutil.move(str(next(tmp.glob("llama_cpp_python-*/vendor/llama.cpp"))), src)
         shutil.rmtree(tmp)
     # No web UI download (no network at run time), no TLS, static binaries.
-    run_logged(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    run_logged(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *flags,
                 "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DBUILD_SHARED_LIBS=OFF"], log)
-    run_logged(["cmake", "--build", str(src / "build"), "-j2", "--target", "llama-server", "llama-quantize"], log)
+    run_logged(["cmake", "--build", str(build), "-j2", "--target", "llama-server", "llama-quantize"], log)
     return server, quantize
+
+
+GGML_ISA = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx_vnni": "AVX_VNNI",
+            "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16"}
+
+
+def llama_cpp_build(src: Path, cpu_flags: set[str] | None = None) -> tuple[Path, list[str]]:
+    """The build folder and its ISA flags: GGML_NATIVE, except on an AMX CPU, where ggml's AMX backend crashes
+    on quantized weights (SIGSEGV in ggml_backend_amx_mul_mat, llama.cpp#20824: every Q8_0 and Q4_K_M start
+    here) while BF16 never runs on it: there every other extension this CPU has, the AMX backend left out."""
+    if cpu_flags is None:
+        cpu_flags = set(Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()) \
+            if Path("/proc/cpuinfo").exists() else set()
+    if "amx_int8" not in cpu_flags:
+        return src / "build", ["-DGGML_NATIVE=ON"]
+    return src / "build-no-amx", ["-DGGML_NATIVE=OFF", *(f"-DGGML_{name}={'ON' if flag in cpu_flags else 'OFF'}"
+                                                          for flag, name in GGML_ISA.items())]
 
 
 def requantized_gguf(model: Path, quantize: Path, peers: Path, kind: str) -> Path:
@@ -311,18 +333,21 @@ AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype="float32").save_pretr
 """
 
 
-def openvino_models(model: Path, py: Path, peers: Path, weights: list[str]) -> dict[str, Path]:
-    """OpenVINO IR of the model at each weight format, exported by optimum-intel from a HF directory
-    that transformers builds from the GGUF (dequantized to float32)."""
-    name = model.stem.split(".")[0]
-    hf, log = peers / "hf" / name, peers / "ov-export.log"
+def hf_directory(model: Path, py: Path, peers: Path) -> Path:
+    """A Hugging Face directory transformers builds from the GGUF (dequantized to float32), for optimum-intel."""
+    hf, log = peers / "hf" / model.stem.split(".")[0], peers / "ov-export.log"
     if not (hf / "config.json").exists():
         print(f"building a Hugging Face directory from {model.name} into {hf} (log: {log})", flush=True)
         tmp = hf.with_name(hf.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         run_logged([str(py), "-c", HF_FROM_GGUF, str(model), str(tmp)], log)
         tmp.rename(hf)
-    out = {}
+    return hf
+
+
+def openvino_models(name: str, hf: Path, py: Path, peers: Path, weights: list[str]) -> dict[str, Path]:
+    """OpenVINO IR of the model at each weight format, exported by optimum-intel from a HF directory."""
+    out, log = {}, peers / "ov-export.log"
     for fmt in weights:
         ir = peers / "ov-models" / f"{name}-{fmt}"
         if not (ir / "openvino_model.xml").exists():
@@ -464,6 +489,13 @@ def offline_row(result: dict, trace) -> dict:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file (default: the shipped SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--model-shape", default=None, choices=["1b", "3b", "8b"],
+                   help="benchmarks/model_shapes.py's random-weight model of this shape instead of --model: "
+                        "llama-server runs each of its GGUF files that exists, OpenVINO its HF directory")
+    p.add_argument("--shape-format", default="hf", choices=["hf", "bf16", "q8_0", "q4_k_m"],
+                   help="with --model-shape: the file iterserve serves (hf: the bf16 safetensors directory)")
+    p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/iterserve-models"),
+                   help="where benchmarks/model_shapes.py wrote the shapes' files")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=512)
@@ -506,22 +538,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def setup_peers(args: argparse.Namespace, model: Path, skip: set[str]) -> dict:
+    """The peers' binaries and models. got["llama_ggufs"]: (target, GGUF) per llama-server row; for the shipped
+    model the file itself and its copies by llama-quantize, for a --model-shape model_shapes.py's files."""
     peers = Path(args.peers_dir)
     peers.mkdir(parents=True, exist_ok=True)
-    got: dict = {}
-    if not {"llama-q4_1", *LLAMA_COPIES} <= skip:
+    got: dict = {"llama_ggufs": []}
+    shape = shape_files(args) if args.model_shape else None
+    if not set(TARGETS[1:5]) <= skip:
         server, quantize = build_llama_cpp(peers) if not args.llama_server else (
             Path(args.llama_server), Path(args.llama_quantize or Path(args.llama_server).with_name("llama-quantize")))
         got["llama_server"] = server
-        for target, kind in LLAMA_COPIES.items():
-            if target not in skip:
-                given = args.bf16_gguf if kind == "BF16" else None
-                got[target] = Path(given) if given else requantized_gguf(model, quantize, peers, kind)
-    if "openvino" not in skip:
+        if shape:
+            got["llama_ggufs"] = [(t, shape.of(f)) for t, f in SHAPE_GGUFS.items() if shape.of(f).exists()]
+        else:
+            got["llama_ggufs"] = [("llama-q4_1", model)] + [
+                (t, Path(args.bf16_gguf) if kind == "BF16" and args.bf16_gguf else
+                 requantized_gguf(model, quantize, peers, kind)) for t, kind in LLAMA_COPIES.items() if t not in skip]
+        got["llama_ggufs"] = [(t, g) for t, g in got["llama_ggufs"] if t not in skip]
+    if "openvino" not in skip and not (shape and not shape.hf.exists()):
         py = Path(args.openvino_python) if args.openvino_python else openvino_python(peers)
         got["ov_python"] = py
-        got["ov_models"] = openvino_models(model, py, peers, args.openvino_weights.split(","))
+        hf, name = (shape.hf, args.model_shape) if shape else (hf_directory(model, py, peers), model.stem.split(".")[0])
+        got["ov_models"] = openvino_models(name, hf, py, peers, args.openvino_weights.split(","))
     return got
+
+
+def shape_files(args: argparse.Namespace):
+    """model_shapes.py's files of --model-shape (made by that script, not here: an 8B shape takes a while)."""
+    sys.path.insert(0, str(Path(__file__).parent))  # model_shapes.py beside this file, also when a test loads it
+    import model_shapes
+    files = model_shapes.paths(args.model_shape, args.models_dir)
+    if not files.of(args.shape_format).exists():
+        raise ValueError(f"{files.of(args.shape_format)} is missing: run python benchmarks/model_shapes.py "
+                         f"--shapes {args.model_shape} --formats {args.shape_format}")
+    return files
 
 
 def weight_flag(flag: str, mode: str) -> list[str]:
@@ -579,7 +629,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         raise ValueError(f"unknown --skip {', '.join(sorted(unknown))}: use {', '.join(TARGETS)}")
     if unknown := set(args.openvino_weights.split(",")) - set(OV_WEIGHTS):
         raise ValueError(f"unknown --openvino-weights {', '.join(sorted(unknown))}: use {', '.join(OV_WEIGHTS)}")
-    model = Path(args.model or default_model_path()).resolve()
+    if args.model_shape and args.model:
+        raise ValueError("give --model or --model-shape, not both")
+    model = shape_files(args).of(args.shape_format) if args.model_shape else Path(args.model or default_model_path())
+    model = model.resolve()
     peers = setup_peers(args, model, skip)
     if args.setup_only:
         return {"peers": {k: str(v) for k, v in peers.items()}}
@@ -607,8 +660,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         servers.append(("iterserve-http", f"iterserve serve {label}",
                         serve + [*weight_flag("--quantization", quantized), "--kv-cache-dtype",
                                  args.quantized_kv_cache_dtype]))
-    servers.append(("llama-q4_1", f"llama-server {model.name}", llama(model)))
-    servers += [(t, f"llama-server {peers[t].name}", llama(peers[t])) for t in LLAMA_COPIES if t in peers]
+    servers += [(t, f"llama-server {gguf.name}", llama(gguf)) for t, gguf in peers["llama_ggufs"]]
     for key, name, cmd in servers:
         if key not in skip:
             http.append(guarded(name, lambda: http_row(key, name, cmd, args, trace, stream)))

@@ -156,3 +156,21 @@ def test_an_offline_child_that_fails_is_a_failed_row():
     cmd = [sys.executable, "-c", "import sys; print('no CPU plugin', file=sys.stderr); sys.exit(1)"]
     assert peers.guarded("OpenVINO GenAI int8", lambda: peers.run_child("OpenVINO GenAI int8", cmd, 30)) == {
         "name": "OpenVINO GenAI int8", "failed": "exited with code 1", "log_tail": "no CPU plugin"}
+
+
+def test_llama_cpp_builds_natively_except_without_its_amx_backend_on_an_amx_cpu(tmp_path):
+    build, flags = peers.llama_cpp_build(tmp_path, {"avx2", "fma", "f16c"})
+    assert (build, flags) == (tmp_path / "build", ["-DGGML_NATIVE=ON"])
+    build, flags = peers.llama_cpp_build(tmp_path, {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_int8"})
+    assert build == tmp_path / "build-no-amx"
+    assert "-DGGML_NATIVE=OFF" in flags and "-DGGML_AVX512_BF16=ON" in flags and "-DGGML_AVX512_VNNI=OFF" in flags
+    assert not any("AMX" in f for f in flags)  # ggml's AMX options default to OFF without GGML_NATIVE
+
+
+def test_a_model_shape_names_its_files_and_refuses_when_they_are_missing(tmp_path):
+    args = peers.parse_args(["--model-shape", "8b", "--shape-format", "q4_k_m", "--models-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="model_shapes.py --shapes 8b --formats q4_k_m"):
+        peers.shape_files(args)
+    (tmp_path / "8b").mkdir()
+    (tmp_path / "8b" / "8b.Q4_K_M.gguf").write_bytes(b"")
+    assert peers.shape_files(args).of("q4_k_m") == tmp_path / "8b" / "8b.Q4_K_M.gguf"
