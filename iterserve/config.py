@@ -176,6 +176,9 @@ class ServerConfig:
                                         "count)", default=1.0, gt=0)
     router: RouterPolicy = _help("how requests pick a replica (with --data-parallel-size > 1)",
                                  default="prefix-affinity")
+    pooling: Literal["last", "mean"] = _help("how /v1/embeddings pools the final-norm hidden states: the last "
+                                             "prompt token's (vLLM's default for a causal LM) or their mean; "
+                                             "L2-normalized", default="last")
 
 
 SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,

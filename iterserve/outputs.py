@@ -25,6 +25,7 @@ class RequestOutput:
     parent_id: str | None = None  # the id add_request returned
     n: int = 1  # how many sequences its request asked for (metrics count the request once)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token (the first: None); None: not asked
+    embedding: list[float] | None = None  # a pooling request's (SamplingParams.pooling), on its one output
 
     @property
     def num_prompt_tokens(self) -> int:

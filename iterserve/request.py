@@ -85,6 +85,7 @@ class Request:
     # Chained prefix hashes of its full blocks (kv/), each computed once: a full block's tokens never
     # change after it is hashed, and prefix lookups, promises and registration all read this list.
     block_hashes: list[bytes] = field(default_factory=list)
+    pooled: list[float] | None = None  # a pooling request's embedding, set when its prompt is done
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -51,6 +51,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # None: off; N: each prompt token's logprob plus the top N
     structured_outputs: StructuredOutputs | None = None
+    # A prompt-only request (an embedding): its prompt is computed, its final-norm hidden states pooled
+    # ("last" token or "mean" over the prompt, L2-normalized) and it ends there, with no token sampled.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +100,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.prompt_logprobs is not None and (not _int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
             raise bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        if self.pooling not in (None, "last", "mean"):
+            raise bad("pooling", f"must be 'last' or 'mean', got {self.pooling!r}")
 
     @property
     def greedy(self) -> bool:

@@ -312,7 +312,7 @@ class Engine:
             request.request_id, request.prompt_token_ids, outputs, text, new_tokens, new_text,
             finished, request.status.value if finished else None, request.times,
             state.logprobs, request.stop_reason, error, state.index, state.parent_id, state.n,
-            prompt_logprobs=state.prompt_logprobs)
+            prompt_logprobs=state.prompt_logprobs, embedding=request.pooled)
 
     @staticmethod
     def _take_new(request: Request, state: _TextState, finished: bool) -> tuple[list[int], str, str]:

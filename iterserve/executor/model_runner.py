@@ -102,6 +102,8 @@ def eos_token_ids(arch: ModelArch, tokenizer) -> frozenset[int]:
 
 
 class ModelRunner:
+    supports_pooling = True  # StepResult.pooled: embeddings (SamplingParams.pooling)
+
     def __init__(self, config: EngineConfig, arch: ModelArch | None = None,
                  weights: dict[str, torch.Tensor] | None = None, tokenizer=None, tp=None):
         """Loads config.model. Or, given arch and weights (HF names, already on the device, in
@@ -152,6 +154,7 @@ class ModelRunner:
         self.kv_cache = self._alloc_kv(num_kv_blocks, self.device)
         self.host_kv_cache = self._alloc_kv(num_host_blocks, torch.device("cpu"))
         self._generators: dict[str, torch.Generator] = {}
+        self._pool_sums: dict[str, torch.Tensor] = {}  # mean pooling: the hidden states summed over earlier chunks
         self.kv_cache_spec = replace(self.kv_cache_spec, num_device_blocks=num_kv_blocks,
                                      num_host_blocks=num_host_blocks)
         self.graphs: CudaGraphRunner | None = None  # the measurement below runs eagerly
@@ -268,6 +271,7 @@ class ModelRunner:
         self._move_blocks(plan)
         for rid in plan.finished_ids:
             self._generators.pop(rid, None)
+            self._pool_sums.pop(rid, None)
             if self._matchers is not None:
                 self._matchers.drop(rid)
         if not plan.scheduled:
@@ -275,10 +279,36 @@ class ModelRunner:
         with torch.inference_mode():
             nrows = _logits_rows(plan.scheduled)  # once per step: _prepare and _sample both read it
             inputs = self._prepare(plan, nrows)
-            logits = self._run_model(*inputs)
+            hidden_rows = _hidden_rows(plan.scheduled)
+            if hidden_rows is None:
+                logits, pooled = self._run_model(*inputs), None
+            else:  # eagerly: a graph returns logits only
+                logits, hidden = self.model.forward(*inputs, torch.from_numpy(hidden_rows).to(self.device))
+                pooled = self._pool(plan.scheduled, hidden.float())
             sampled, logprobs, prompt_lps, accepted = self._sample(plan, logits, nrows)
         return StepResult(sampled=sampled, logprobs=logprobs, accepted_drafts=accepted, prompt_logprobs=prompt_lps,
-                          step_time=time.perf_counter() - t0)
+                          pooled=pooled, step_time=time.perf_counter() - t0)
+
+    def _pool(self, reqs: list[ScheduledRequest], hidden: torch.Tensor) -> list[list[float] | None]:
+        """Each pooling request's embedding once its prompt is done (L2-normalized), from the rows
+        _hidden_rows picked. Mean pooling sums chunk by chunk; a chunk at position 0 starts afresh (a
+        prompt recomputed after preemption). Prefix-cache hits never reach here: the scheduler serves
+        mean pooling none, and last pooling needs only the last token, which is always computed."""
+        out: list[list[float] | None] = [None] * len(reqs)
+        offset = 0
+        for i, r in enumerate(reqs):
+            n = _num_hidden_rows(r)
+            if not n:
+                continue
+            rows, offset = hidden[offset:offset + n], offset + n
+            if r.sampling_params.pooling == "mean":
+                total = rows.sum(0) + (self._pool_sums.pop(r.request_id) if r.start_pos else 0)
+                if not r.sample:
+                    self._pool_sums[r.request_id] = total
+                    continue
+                rows = total / r.seq_len
+            out[i] = torch.nn.functional.normalize(rows.reshape(-1), dim=0).tolist()
+        return out
 
     def _run_model(self, ids, pos, kv_cache, md: AttentionMetadata, logits_indices) -> torch.Tensor:
         """A pure-decode batch that fits a captured bucket replays its graph; anything else runs eagerly."""
@@ -367,7 +397,7 @@ class ModelRunner:
         if nrows is not None:  # keep each request's sampling rows: its last one, or 1 + its drafts
             prompt_lps = _prompt_logprobs(scheduled, nrows, logits)
             logits = logits[torch.from_numpy(_sampling_rows(scheduled, nrows)).to(logits.device)]
-        rows = [i for i, r in enumerate(scheduled) if r.sample and not r.is_padding]
+        rows = [i for i, r in enumerate(scheduled) if r.sample and not r.is_padding and r.sampling_params.pooling is None]
         sampled = [-1] * len(scheduled)
         if not rows:
             return sampled, None, prompt_lps, None
@@ -434,6 +464,24 @@ def _num_prompt_logprobs(r: ScheduledRequest) -> int:
     if r.sampling_params.prompt_logprobs is None:
         return 0
     return max(0, min(r.seq_len, len(r.prompt_token_ids) - 1) - r.start_pos)
+
+
+def _num_hidden_rows(r: ScheduledRequest) -> int:
+    """Hidden-state rows a request pools from this step: mean, its whole chunk; last, its last token once
+    the prompt is done; none for the rest."""
+    pooling = r.sampling_params.pooling
+    if pooling is None or r.is_padding:
+        return 0
+    return len(r.token_ids) if pooling == "mean" else int(r.sample)
+
+
+def _hidden_rows(reqs: list[ScheduledRequest]) -> np.ndarray | None:
+    """The step's token rows whose final-norm hidden states are pooled, in request order; None: no pooling."""
+    counts = [_num_hidden_rows(r) for r in reqs]
+    if not any(counts):
+        return None
+    ends = np.cumsum([len(r.token_ids) for r in reqs])
+    return np.concatenate([np.arange(e - k, e) for e, k in zip(ends, counts) if k])
 
 
 def _logits_rows(reqs: list[ScheduledRequest]) -> list[int] | None:

@@ -199,9 +199,20 @@ class LlamaModel:
         return weight * multiplier if multiplier != 1.0 else weight.contiguous()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, logits_indices: torch.Tensor,
+                hidden_indices: torch.Tensor | None = None):
         """input_ids/positions [T]; kv_cache [L, 2, blocks, block_size, Hkv, D] -> logits [S, vocab] in the
-        model's dtype (the sampler widens them where it needs to: a greedy batch takes argmax as is)."""
+        model's dtype (the sampler widens them where it needs to: a greedy batch takes argmax as is).
+        With hidden_indices: (logits, the final-norm hidden states of those rows), for pooling."""
+        x, delta = self._residual(input_ids, positions, kv_cache, attn_metadata)
+        logits = self._logits(self._rms_norm(delta.index_select(0, logits_indices), self.norm,
+                                             x.index_select(0, logits_indices)))
+        if hidden_indices is None:
+            return logits
+        return logits, self._rms_norm(delta.index_select(0, hidden_indices), self.norm, x.index_select(0, hidden_indices))
+
+    def _residual(self, input_ids, positions, kv_cache, attn_metadata):
+        """Every layer over the step's tokens: the residual stream and the last MLP output not yet added to it."""
         plan = self.attention.prepare(attn_metadata)
         cos_sin = None if self.cpu_ops else [(c[positions], s[positions]) for c, s in self.rope_tables]
         x, delta = self._embed(input_ids), None
@@ -212,7 +223,9 @@ class LlamaModel:
         else:
             for i, layer in enumerate(self.layers):
                 x, delta = self._layer_forward(x, delta, layer, kv_cache[i], plan, positions, cos_sin)
-        h = self._rms_norm(delta.index_select(0, logits_indices), self.norm, x.index_select(0, logits_indices))
+        return x, delta
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = linear(h, self.lm_head)
         if self.tp is not None:
             logits = self.tp.gather_logits(logits)

@@ -77,4 +77,6 @@ class StepResult:
     # per scheduled request, when it asked for prompt logprobs: those of the prompt tokens at
     # positions start_pos + 1 .. of this step's chunk (each from the logits of the token before it)
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
+    # per scheduled request, for a pooling request whose prompt this step completed: its embedding
+    pooled: list[list[float] | None] | None = None
     step_time: float = 0.0  # seconds the executor spent (real or modelled)

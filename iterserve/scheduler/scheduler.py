@@ -84,7 +84,7 @@ class Scheduler:
         n = request.num_prompt_tokens
         if n == 0:
             raise ValueError("the prompt is empty")
-        if n >= self.max_model_len:
+        if n > self.max_model_len or (n == self.max_model_len and request.sampling_params.pooling is None):
             raise ValueError(f"the prompt has {n} tokens; this engine's context holds at most "
                              f"{self.max_model_len} (prompt plus at least one generated token)")
         if request.request_id in self.requests:
@@ -204,7 +204,7 @@ class Scheduler:
             if budget <= 0:
                 return
             request = self.waiting[i]
-            computed, num_cached = self.kv.get_computed_blocks(request)
+            computed, num_cached = self._computed_blocks(request)
             if 2 * self.kv.prefix_in_flight(request, computed) >= request.num_tokens - num_cached:
                 i += 1  # most of what it would compute is being computed: reuse it next step
                 continue
@@ -223,6 +223,13 @@ class Scheduler:
             self._start_running(request)
             if n:
                 plan.scheduled.append(self._scheduled(request, n))
+
+    def _computed_blocks(self, request: Request):
+        """The prefix cache's blocks for a request; none for mean pooling, which needs every prompt
+        token's hidden state (a cached block holds only K/V)."""
+        if request.sampling_params.pooling == "mean":
+            return [], 0
+        return self.kv.get_computed_blocks(request)
 
     @staticmethod
     def _num_new_tokens(request: Request, num_computed: int, budget: int) -> int:
@@ -353,6 +360,10 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
             if not scheduled.sample:
                 continue
+            if scheduled.sampling_params.pooling is not None:
+                self._finish_pooled(request, result, i, now)
+                progressed.append(request)
+                continue
             if not scheduled.num_draft_tokens and not self.drafts:  # nothing drafted: one token
                 self._append_tokens(request, (token,), now)
                 progressed.append(request)
@@ -364,6 +375,16 @@ class Scheduler:
             self._append_tokens(request, [*accepted, token], now)
             progressed.append(request)
         return progressed
+
+    def _finish_pooled(self, request: Request, result: StepResult, i: int, now: float) -> None:
+        """A prompt-only request ends with its prompt: its pooled hidden state is its output, no token is
+        sampled, and finishing frees its blocks (the full ones stay in the prefix cache). An executor
+        that does not pool (returns no embedding) fails it."""
+        request.pooled = result.pooled[i] if result.pooled else None
+        request.times.first_token = now  # its result, timed as a first token (prefill time, e2e)
+        request.times.token_times.append(now)
+        ok = request.pooled is not None
+        self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED if ok else RequestStatus.FINISHED_ERROR)
 
     def _accepted_drafts(self, scheduled: ScheduledRequest, result: StepResult, i: int) -> list[int]:
         self.drafts.pop(scheduled.request_id, None)  # proposed for this step only

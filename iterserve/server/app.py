@@ -13,8 +13,8 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import replace
-from typing import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -64,12 +64,34 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
     return JSONResponse(ErrorResponse.of(message, type, status, param), status_code=status, headers=headers)
 
 
+@dataclass
+class Chat:
+    """A chat request on its way: its engine stream, prompt, sampling parameters and how a finished
+    output becomes a reply (None: plain content)."""
+    stream: RequestStream
+    prompt: list[int]
+    params: object
+    reply: Callable | None
+
+
+@dataclass
+class Routes:
+    """What build_app's routes share with the routers mounted beside them (embeddings.py, messages.py)."""
+    engine: EngineClient
+    model: str  # the served model name
+    check_model: Callable[[str | None], None]
+    start: Callable  # async (prompt, params, priority=0, cache_salt=None) -> RequestStream, errors as ApiError
+    chat_prompt: Callable  # (messages, tools) -> prompt token ids
+    start_chat: Callable  # async (ChatCompletionRequest) -> Chat
+
+
 def build_app(async_engine: EngineClient, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20, metrics=None,
-              allowed_origins: list[str] | None = None, diagnostics: Diagnostics | None = None) -> FastAPI:
+              allowed_origins: list[str] | None = None, diagnostics: Diagnostics | None = None,
+              pooling: str = "last") -> FastAPI:
     """The OpenAI app over an engine client (server/engine_client.py), checked here. `metrics`: what
     /metrics renders; by default a ServerMetrics fed by the client's on_step. A caller that passes its
-    own (the Ray ingress: ClusterMetrics) feeds it itself."""
+    own (the Ray ingress: ClusterMetrics) feeds it itself. `pooling`: how /v1/embeddings pools."""
     check_engine_client(async_engine)
     if metrics is None:
         metrics = ServerMetrics(served_model_name)
@@ -191,12 +213,12 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
         except ValueError as e:
             raise ApiError(400, str(e)) from e
 
-    async def start(prompt: str | list[int], body, params) -> RequestStream:
+    async def start(prompt: str | list[int], params, priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         if params.structured_outputs is not None:
             await compile_grammar(params.structured_outputs)
         try:
             return await async_engine.add_request(prompt, params, request_id=_new_id(),
-                                                  priority=body.priority, cache_salt=body.cache_salt)
+                                                  priority=priority, cache_salt=cache_salt)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         except QueueFullError as e:
@@ -218,7 +240,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
         streams: list[RequestStream] = []
         try:
             for p in prompts:
-                streams.append(await start(p, body, params))
+                streams.append(await start(p, params, body.priority, body.cache_salt))
         except ApiError:
             for s in streams:
                 s.engine.abort(s.request_id)
@@ -234,8 +256,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
         return CompletionResponse(id=streams[0].request_id, created=created, model=model, choices=choices,
                                   usage=_total_usage(groups, count_completion=not body.echo_only))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def start_chat(body: ChatCompletionRequest) -> Chat:
         check_model(body.model)
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template")
@@ -250,9 +271,15 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         check_context(prompt, params)
-        stream = await start(prompt, body, params)
-        created, model = int(time.time()), served_model_name
+        stream = await start(prompt, params, body.priority, body.cache_salt)
         reply = (lambda out: _tool_reply(out, tool_list, choice, body.parallel_tool_calls)) if tool_list else None
+        return Chat(stream, prompt, params, reply)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        chat = await start_chat(body)
+        stream, params, reply = chat.stream, chat.params, chat.reply
+        created, model = int(time.time()), served_model_name
         if body.stream:
             return _SSEResponse([stream], _chat_chunks(stream, created, model, body.include_usage, token_text,
                                                        params.n, reply))
@@ -265,6 +292,10 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
                                       if params.logprobs is not None else None))
         return ChatCompletionResponse(id=stream.request_id, created=created, model=model, usage=_usage(outs),
                                       choices=choices)
+
+    from iterserve.server import embeddings  # here: the routers' modules import this one
+    routes = Routes(async_engine, served_model_name, check_model, start, chat_prompt, start_chat)
+    app.include_router(embeddings.router(routes, pooling))
 
     if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, Engine):  # they read its scheduler
         mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics

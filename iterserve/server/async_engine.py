@@ -237,6 +237,11 @@ class AsyncEngine:
     def eos_token_ids(self) -> frozenset[int]:
         return self.engine.eos_token_ids
 
+    @property
+    def supports_pooling(self) -> bool:
+        """Whether its executor pools hidden states (SamplingParams.pooling; the ModelRunner does)."""
+        return bool(getattr(getattr(self.engine, "executor", None), "supports_pooling", False))
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         """The engine's own prompt check (pure: reads only the tokenizer and the vocabulary size)."""
         return self.engine.encode(prompt)
