@@ -63,11 +63,13 @@ class ModelConfig:
         "(CPU); auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else bf16-storage where the CPU "
         "kernels build, else float32", default="auto")
     device: Annotated[str, BeforeValidator(_check_device)] = _help("auto, cpu, cuda or cuda:N", default="auto")
-    quantization: Literal["int8", "int4", "w8a8"] | None = _help(
+    quantization: Literal["auto", "none", "int8", "int4", "w8a8"] | None = _help(
         "quantization of the linear layers (CPU): int8 / int4 weight-only (on AVX2 iterserve's integer "
         "kernels, faster than bf16 there at every batch; on AVX-512 PyTorch's: smaller, but slower than bf16 "
         "on AVX-512 BF16 CPUs); w8a8 int8 weights under int8 activations quantized per token (AVX-512 VNNI; "
-        "the fastest mode there)", default=None)
+        "the fastest mode there); none: floats; auto: a quantized GGUF in what it holds (Q4_* -> int4, Q8_0 and "
+        "other K-quants -> int8, from the file's codes) when --dtype is auto too, else floats; the shipped "
+        "default model stays bf16 (docs/models.md)", default="auto")
     max_model_len: int | None = _help("longest sequence (prompt + output); default: the model's context, "
                                       "or what the KV pool holds if that is less", default=None, ge=2)
     seed: int = _help("engine seed (requests without a seed draw from it)", default=0)

@@ -69,6 +69,7 @@ def storage_dtype(name: str, device: torch.device, quantization: str | None = No
     on the kernel's own panels (AVX2) run under it too: their codes come from the bfloat16 weights, and the
     KV cache and the other weights stay bfloat16."""
     compute = pick_dtype(name, device)
+    quantization = None if quantization in ("auto", "none") else quantization  # unresolved (the simulator): floats'
     panels = quantization is None or weight_only_on_panels(quantization)
     if name == "bf16-storage":
         if device.type != "cpu" or linear_kernel() is None:
@@ -81,6 +82,14 @@ def storage_dtype(name: str, device: torch.device, quantization: str | None = No
     if name == "auto" and compute == torch.float32 and device.type == "cpu" and panels and linear_kernel() is not None:
         return torch.bfloat16
     return compute
+
+
+def _weights_line(asked: str | None, served: str | None, path: str | None) -> str:
+    """The start line's word on the weights: what they are served as, and why where --quantization auto chose."""
+    what = served or "floats"
+    if asked == "auto" and served is not None:
+        return f"{what} (what {os.path.basename(path)} holds: --quantization auto; none for floats)"
+    return what
 
 
 def kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype, attention: str) -> str:
@@ -116,16 +125,19 @@ class ModelRunner:
         if self.device.type == "cpu":  # a cold start compiles the kernels while the weights and tokenizer load
             prebuild()
         self.dtype = pick_dtype(mc.dtype, self.device)
-        load_dtype = storage_dtype(mc.dtype, self.device, mc.quantization)  # checks the combination too
+        path = (mc.model or default_model_path()) if weights is None else None
+        self.quantization = weight_cache.resolve_quantization(path, mc.quantization, mc.dtype)  # "auto" decided
+        load_dtype = storage_dtype(mc.dtype, self.device, self.quantization)  # checks the combination too
         if self.device.type == "cpu":
             torch.set_num_threads(mc.num_threads or os.cpu_count() or 1)
         pending_tokenizer = panel_cache = None
         if weights is None:
-            path = mc.model or default_model_path()
+            if self.device.type == "cpu":  # before reading a byte: a model that cannot fit is refused
+                weight_cache.check_fits(path, self.quantization, load_dtype, self._planned_kv_bytes(path, load_dtype))
             pending_tokenizer = _load_tokenizer_aside(path)
-            arch, weights = weight_cache.load_arch_and_weights(path, load_dtype, self.device)
+            arch, weights = weight_cache.load_arch_and_weights(path, load_dtype, self.device, self.quantization)
             panel_cache = weight_cache.panel_cache(path, load_dtype, self.device, load_dtype != self.dtype,
-                                                   mc.quantization)
+                                                   self.quantization)
         assert arch is not None, "weights given without their arch"
         self.arch = cfg = arch
         self.vocab_size = cfg.vocab_size
@@ -135,13 +147,14 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len or cfg.max_position_embeddings
         self.block_size = cc.block_size
         self.model = LlamaModel(cfg, weights, cc.block_size, max_positions=cfg.max_position_embeddings,
-                                quantization=mc.quantization, tp=tp, dtype=self.dtype, panel_cache=panel_cache)
+                                quantization=self.quantization, tp=tp, dtype=self.dtype, panel_cache=panel_cache)
         if panel_cache is not None:
             panel_cache.save()
         del weights  # the model holds its own (fused) copies: let the loaded ones go before profiling
         self.storage_dtype = self.model.weight_dtype  # weights and KV pool; given weights as the caller made them
         if self.device.type == "cpu" and tp is None:
-            logger.info("%s; this model: %s, C decode loop %s", cpu_paths.current().summary(), self.dtype,
+            logger.info("%s; this model: %s, weights %s, C decode loop %s", cpu_paths.current().summary(), self.dtype,
+                        _weights_line(mc.quantization, self.quantization, path),
                         "on" if self.model.decode_layers is not None else "off")
         self.tokenizer = tokenizer if pending_tokenizer is None else pending_tokenizer.result()
         self.eos_token_ids = eos_token_ids(cfg, self.tokenizer)
@@ -198,6 +211,18 @@ class ModelRunner:
             timings.append(self.execute(plan).step_time)
         return {"swap_bytes_per_s": 2 * n * spec.bytes_per_block / max(swap_s, 1e-9) if n else 0.0,
                 "recompute_tokens_per_s": length / max(timings[-1], 1e-9)}
+
+    def _planned_kv_bytes(self, path: str, dtype: torch.dtype) -> int:
+        """The device and host KV pools' bytes on CPU, before the model is loaded (from its arch alone)."""
+        c = self.config.cache_config
+        if c.num_kv_blocks:
+            a = weight_cache.load_arch(path)
+            kv = "int8" if c.kv_cache_dtype == "int8" else str(dtype).removeprefix("torch.")
+            device = c.num_kv_blocks * KVCacheSpec(c.block_size, 1, 0, a.num_layers, a.num_kv_heads, a.head_dim,
+                                                   kv).bytes_per_block
+        else:
+            device = c.kv_cache_memory or CPU_KV_CACHE_MEMORY
+        return device + self.config.swap_space_bytes
 
     # ------------------------------------------------------------ KV pool size
 

@@ -21,8 +21,8 @@ from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.cpu_decode import DecodeLayers
 from iterserve.model.loader import ModelArch
-from iterserve.model.quant import (PanelWeight, Weight, check_supported, linear, pack_float, quantize,
-                                   weight_only_on_panels)
+from iterserve.model.quant import (Codes, Int8Codes, Int8Weight, PanelWeight, Weight, cat_codes, check_supported,
+                                   linear, pack_float, quantize, weight_only_on_panels)
 
 
 @dataclass(slots=True)
@@ -121,7 +121,8 @@ class LlamaModel:
         def pack(name: str, read, mode: str | None = quantization) -> Weight:
             """The weight `name` as the model runs it (quantized in `mode`), from read() (its float tensor) or
             from the cache, which holds the panels of the C++ kernel (weight_cache.PanelCache)."""
-            build = (lambda: quantize(read(), mode)) if mode else (lambda: pack_float(read(), panels=mixed))  # noqa: E731
+            build = (lambda: quantize(read(), mode, norm.dtype)) if mode else (  # noqa: E731
+                lambda: pack_float(_floats(read(), norm.dtype), panels=mixed))
             return build() if panel_cache is None else panel_cache.weight(name, build)
 
         # each weight packed as soon as it is read: its float copy goes before the next one comes
@@ -135,9 +136,11 @@ class LlamaModel:
         # int8 in every mode, as the GGUF keeps it Q8_0 (w8a8's own kernel: PyTorch's weight-only int8
         # is slower than bf16 at a large batch, and a 49k-row head is a fifth of the weights)
         self.lm_head = pack("lm_head", head, "int8" if quantization in ("int8", "int4") else quantization)
-        # lookups read a tied head's float panels: the vocabulary's rows held once, not twice
+        # lookups read a tied head's float panels or torch-layout int8 rows: the vocabulary's rows held once, not twice
         float_head = isinstance(self.lm_head, PanelWeight) and self.lm_head.panels.is_floating_point()
-        self.embed = None if tied and float_head else w["model.embed_tokens.weight"]
+        int8_head = isinstance(self.lm_head, Int8Weight) and not self.lm_head.panels
+        self.embed = None if tied and float_head else Int8Codes(self.lm_head.qweight, self.lm_head.scales) \
+            if tied and int8_head else _table(w["model.embed_tokens.weight"])
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.attention = attention_backend(self.device, block_size, self.dtype, cfg.head_dim,
                                            cfg.num_heads)  # torch or triton
@@ -195,7 +198,9 @@ class LlamaModel:
                                                            self.cfg.residual_multiplier)))
 
     @staticmethod
-    def _scaled(weight: torch.Tensor, multiplier: float) -> torch.Tensor:
+    def _scaled(weight: torch.Tensor | Codes, multiplier: float) -> torch.Tensor | Codes:
+        if not isinstance(weight, torch.Tensor):  # a GGUF's codes (quant.Int4Codes / Int8Codes)
+            return weight.scaled(multiplier) if multiplier != 1.0 else weight
         return weight * multiplier if multiplier != 1.0 else weight.contiguous()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -239,7 +244,9 @@ class LlamaModel:
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The rows of input_ids, in the arithmetic's dtype: from the embedding, or gathered from the tied
         head's panels."""
-        if self.embed is not None:
+        if isinstance(self.embed, Int8Codes):  # int8 rows: dequantized as looked up
+            x = self.embed.rows(input_ids, self.dtype)
+        elif self.embed is not None:
             x = F.embedding(input_ids, self.embed)
         else:
             x = cpu_kernels.panel_rows(self.lm_head.panels, input_ids)
@@ -338,7 +345,18 @@ def _fused(w, prefix: str, fused: tuple[str, tuple[str, ...]]) -> torch.Tensor:
     name, parts = fused
     if prefix + name in w:
         return w[prefix + name].contiguous()
-    return torch.cat([w[prefix + part] for part in parts]).contiguous()
+    joined = cat_codes([w[prefix + part] for part in parts])  # a GGUF's codes stay codes (quant.cat_codes)
+    return joined.contiguous() if isinstance(joined, torch.Tensor) else joined
+
+
+def _floats(w: torch.Tensor | Codes, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as floats: a GGUF's codes dequantized (served in floats, or in a mode that takes no codes)."""
+    return w if isinstance(w, torch.Tensor) else w.dequantize(dtype)
+
+
+def _table(w: torch.Tensor | Codes) -> torch.Tensor | Int8Codes:
+    """The embedding lookups read: floats as given, a GGUF's codes as int8 rows (no vocab x hidden float copy)."""
+    return w if isinstance(w, (torch.Tensor, Int8Codes)) else w.to_int8()
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

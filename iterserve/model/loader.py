@@ -2,8 +2,9 @@
 config, weights, tokenizer. Anything else is refused here, by name, before it could be served.
 
 Weights come back as a dict of Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...) so
-the model code knows one naming only. GGUF tensors are dequantized once at load time (gguf's numpy
-dequantizer covers F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K and more).
+the model code knows one naming only. For float serving GGUF tensors are dequantized once at load time
+(gguf's numpy dequantizer covers F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K and more); served in int8/int4,
+GGUFCodes hands the model each tensor's codes as it asks for it (model/gguf_quant.py).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import importlib.util
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -407,24 +409,81 @@ def _split_fused(w: dict[str, torch.Tensor], cfg: ModelArch) -> dict[str, torch.
 
 def _gguf_weights(path: str, config: ModelArch) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
-    permuted = config.architecture in _GGUF_PERMUTED
     out = {}
     for t in _gguf_reader(path).tensors:
         if t.name in _GGUF_CONFIG_TENSORS:
             continue
-        name = gguf_to_hf_name(t.name, config.architecture)
-        if name is None:  # a tensor the forward pass would ignore: its model is not the one we implement
-            raise ValueError(f"unsupported GGUF tensor {t.name!r} in a {config.architecture} model: iterserve "
-                             f"reads {', '.join(sorted(_GGUF_TOP_NAMES))} and blk.N.{{"
-                             f"{', '.join(sorted(_GGUF_LAYER_NAMES))}}} (see docs/models.md)")
+        name = _gguf_hf_name(t.name, config)
         w = dequantize(t.data, t.tensor_type)
         w = w.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists dims innermost first
-        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = unpermute_qk(w, config.num_heads)
-        elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = unpermute_qk(w, config.num_kv_heads)
-        out[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the memmap is read-only
+        # a copy: the memmap is read-only
+        out[name] = torch.from_numpy(np.array(_unpermuted(w, name, config), dtype=np.float32))
     return out
+
+
+def _gguf_hf_name(gguf_name: str, config: ModelArch) -> str:
+    name = gguf_to_hf_name(gguf_name, config.architecture)
+    if name is None:  # a tensor the forward pass would ignore: its model is not the one we implement
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r} in a {config.architecture} model: iterserve "
+                         f"reads {', '.join(sorted(_GGUF_TOP_NAMES))} and blk.N.{{"
+                         f"{', '.join(sorted(_GGUF_LAYER_NAMES))}}} (see docs/models.md)")
+    return name
+
+
+def _unpermuted(w, name: str, config: ModelArch):
+    """Q/K rows (of a weight, a bias, or the codes and scales of one) in HF's order, for the families
+    convert_hf_to_gguf permutes."""
+    if config.architecture in _GGUF_PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return unpermute_qk(w, config.num_heads)
+    if config.architecture in _GGUF_PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return unpermute_qk(w, config.num_kv_heads)
+    return w
+
+
+def gguf_tensor_table(path: str) -> list[tuple[str, str, list[int]]]:
+    """(GGUF name, type name, shape as GGUF lists it: innermost first) of every tensor: what the served
+    format and bytes follow from (model/gguf_quant.py)."""
+    return [(t.name, t.tensor_type.name, [int(d) for d in t.shape]) for t in _gguf_reader(path).tensors]
+
+
+def gguf_serves_codes(table: list[tuple[str, str, list[int]]], family: str) -> bool:
+    """Whether GGUFCodes can serve this file: every linear weight one matrix of its own (not Phi-3's fused
+    gate/up and qkv, nor stacked experts, which load_weights splits from floats)."""
+    return family != "phi3" and not any("_exps." in n or ".attn_qkv." in n for n, _, _ in table)
+
+
+class GGUFCodes(Mapping):
+    """A quantized GGUF's tensors by HF name, each read (pread, never mapped) when the model asks for it:
+    Q4_0/Q4_1/Q4_K as quant.Int4Codes, other quantized types as per-row quant.Int8Codes, float ones as
+    tensors of `dtype` (model/gguf_quant.py). The model quantizes and packs each as it goes, so no float
+    copy of the model is made; Q/K rows come un-permuted as load_weights gives them."""
+
+    def __init__(self, path: str, config: ModelArch, dtype: torch.dtype) -> None:
+        self._path, self._config, self._dtype = path, config, dtype
+        self._tensors = {_gguf_hf_name(t.name, config): (int(t.data_offset), int(t.n_bytes), t.tensor_type,
+                                                         [int(d) for d in reversed(t.shape)])
+                         for t in _gguf_reader(path).tensors if t.name not in _GGUF_CONFIG_TENSORS}
+
+    def __getitem__(self, name: str):
+        from iterserve.model import gguf_quant
+        offset, nbytes, ttype, shape = self._tensors[name]
+        rows = (int(np.prod(shape[:-1])), shape[-1])
+        raw = gguf_quant.read_raw(self._path, offset, nbytes, rows, ttype)
+        if ttype in gguf_quant.FLOAT_TYPES:
+            from gguf.quants import dequantize
+            w = torch.from_numpy(dequantize(raw, ttype).reshape(shape))
+            return _unpermuted(w, name, self._config).to(self._dtype)
+        codes = gguf_quant.codes(raw, ttype)
+        return type(codes)(*(_unpermuted(p, name, self._config).contiguous() for p in codes.parts()))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def _hf_weights(path: str) -> dict[str, torch.Tensor]:

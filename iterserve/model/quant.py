@@ -13,12 +13,13 @@ go into cpu_linear.cpp's panels instead, summed in integers against 16-bit codes
 too; int4's codes are unpacked into 16-bit pairs first). Torch's kernels are slower than a bf16 matmul
 once the batch is large (measured: ~2x at B=64), where the step is compute-bound.
 
-Where the weights come from: the model hands us float weights (the loader has already
-dequantized the GGUF blocks), and we quantize them. For the default GGUF this loses nothing
-in int4 mode: a Q4_1 block is w = d * q + m with q in [0, 15] spanning the block's min..max, which
-is exactly the grid the min/max group-32 quantizer below picks, so the GGUF's codes come back
-(up to rounding of d and m into the compute dtype). A Q8_0 block (per-32 scale) has no per-row
-int8 equivalent, so int8 re-quantizes per row (one more rounding, measured in the tests).
+Where the weights come from: from a quantized GGUF, its own codes, tensor by tensor (gguf_quant.py:
+Int4Codes, Int8Codes; no float copy of the model): a Q4_0/Q4_1/Q4_K block is w = q * scale + low with q
+in [0, 15] over groups of 32, exactly int4's grid below, so the codes are served as they are (up to
+rounding scale and low into the compute dtype). A Q8_0 block (per-32 scale), Q5_* or Q6_K has no per-row
+int8 equivalent, so its tensor is dequantized alone and re-quantized per row (one more rounding, measured
+in the tests). Otherwise the model hands us float weights and we quantize them (the same min/max group-32
+grid, so a Q4_1 file's floats give its codes back too).
 The LM head (the tied embedding, Q8_0 in the GGUF) is int8 in both modes, as llama.cpp keeps it:
 an int4 head failed the top-5 closeness check against float32 on 9 of 10 prompts (measured), while
 int4 layers + int8 head gave float32's 16 greedy tokens exactly on 8 of 10 (int8 layers: 4 of 10,
@@ -87,6 +88,78 @@ class Int4Weight:
             return cpu_kernels.linear_int4_weights(x.float(), self.packed, *self.shape, _float(bias)).to(x.dtype)
         return _plus(torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
                                                                 self.scales_zeros), bias)
+
+
+@dataclass(slots=True)
+class Int4Codes:
+    """A GGUF Q4_0 / Q4_1 / Q4_K tensor as its blocks hold it (model/gguf_quant.py): int4's own grid, each group
+    of INT4_GROUP inputs w = q * scale + low, so it serves as int4 with nothing re-rounded."""
+    q: torch.Tensor  # [N, K] uint8 in [0, 15]
+    scale: torch.Tensor  # [N, K / INT4_GROUP] float32
+    low: torch.Tensor  # [N, K / INT4_GROUP] float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.scale, self.low
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.view(n, -1, INT4_GROUP).float() * self.scale[..., None] + self.low[..., None]
+        return w.view(n, k).to(dtype)
+
+    def scaled(self, m: float) -> Int4Codes:
+        return Int4Codes(self.q, self.scale * m, self.low * m)
+
+    def to_int8(self, rows: int = 4096) -> Int8Codes:
+        """Per-row int8 codes of these weights, dequantized `rows` at a time (rows are coded alone)."""
+        parts = [cpu_kernels.int8_codes(Int4Codes(*(p[i:i + rows] for p in self.parts())).dequantize(torch.float32))
+                 for i in range(0, self.q.shape[0], rows)]
+        return Int8Codes(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
+
+
+@dataclass(slots=True)
+class Int8Codes:
+    """Per-row int8 codes (cpu_kernels.int8_codes): a GGUF tensor of another quantized type (Q8_0, Q5_*, Q6_K:
+    no int4 or per-row grid holds them, so they are re-rounded once), or a quantized embedding table, whose
+    rows are dequantized on lookup instead of keeping a float copy of vocab x hidden."""
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N]: w = q * scale
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.scale
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.q.float() * self.scale[:, None].float()).to(dtype)
+
+    def scaled(self, m: float) -> Int8Codes:
+        return Int8Codes(self.q, self.scale * m)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized rows ids, as an embedding lookup gives them."""
+        return (self.q.index_select(0, ids).float() * self.scale.index_select(0, ids)[:, None].float()).to(dtype)
+
+
+Codes = Int4Codes | Int8Codes
+
+
+def cat_codes(parts: list[torch.Tensor | Codes]) -> torch.Tensor | Codes:
+    """Parts of a fused weight (q/k/v, gate/up) stacked by rows. Mixed kinds (a Q4_K_M file's Q6_K v beside Q4_K
+    q and k, or a float part) become per-row int8 each, the finer grid: per-row codes of the parts are the
+    fused weight's, since rows are coded alone."""
+    kinds = {type(p) for p in parts}
+    if len(kinds) == 1 and kinds <= {Int4Codes, Int8Codes}:
+        return parts[0].__class__(*(torch.cat(f) for f in zip(*(p.parts() for p in parts))))
+    if not kinds & {Int4Codes, Int8Codes}:
+        return torch.cat(parts)
+    return cat_codes([p if isinstance(p, Int8Codes) else p.to_int8() if isinstance(p, Int4Codes) else
+                      Int8Codes(*cpu_kernels.int8_codes(p)) for p in parts])
 
 
 def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -176,14 +249,41 @@ def from_panel_tensor(kind: str, t: torch.Tensor, shape: torch.Size) -> Weight:
     return PanelWeight(t, shape)
 
 
+def stored_tensors(w: Weight) -> tuple[str, list[torch.Tensor]] | None:
+    """For the weight cache: (kind, tensors) a weight is kept as: panel_tensor's one tensor, or torch's int8
+    layout (codes, scales: "int8-rows") or int4 tiles (packed, scales and zeros: "int4-tiles"); None for
+    oneDNN's opaque layout or a plain tensor."""
+    found = panel_tensor(w)
+    if found is not None:
+        return found[1], [found[0]]
+    if isinstance(w, Int8Weight):
+        return "int8-rows", [w.qweight, w.scales]
+    if isinstance(w, Int4Weight):
+        return "int4-tiles", [w.packed, w.scales_zeros]
+    return None
+
+
+def from_stored(kind: str, tensors: list[torch.Tensor], shape: torch.Size) -> Weight:
+    """The weight stored_tensors gave (kind, tensors) for, of this [N, K] shape."""
+    if kind == "int8-rows":
+        return Int8Weight(tensors[0], tensors[1], shape)
+    if kind == "int4-tiles":
+        return Int4Weight(tensors[0], tensors[1], shape)
+    return from_panel_tensor(kind, tensors[0], shape)
+
+
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
     """Symmetric, one scale per output row (cpu_kernels.int8_codes, as w8a8's panels hold them). On AVX2
     without AVX-512 the C++ kernel's panels: torch's weight-only int8 kernel there is many times slower
     than bf16 storage (docs/performance.md, 2026-12-02)."""
-    q, scales = cpu_kernels.int8_codes(w)
-    if w.device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
-        return Int8Weight(cpu_kernels.pack_int8_weight_panels(q, scales), scales, w.shape, panels=True)
-    return Int8Weight(q.contiguous(), scales.to(w.dtype), w.shape)
+    return int8_weight(*cpu_kernels.int8_codes(w), w.dtype, w.device)
+
+
+def int8_weight(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Int8Weight:
+    """The Int8Weight of codes q [N, K] int8 and float32 row scales [N]; dtype: the arithmetic's (torch's kernel)."""
+    if device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
+        return Int8Weight(cpu_kernels.pack_int8_weight_panels(q, scales), scales, q.shape, panels=True)
+    return Int8Weight(q.contiguous(), scales.to(dtype), q.shape)
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Weight:
@@ -197,12 +297,20 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
     lo, hi = wf.amin(dim=-1), wf.amax(dim=-1)
     scale = ((hi - lo) / 15).clamp(min=1e-10)
     q = torch.round((wf - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
-    if w.device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
-        return Int4Weight(cpu_kernels.pack_int4_weight_panels(q, scale, lo), None, w.shape)
+    return int4_weight(q, scale, lo, w.dtype, w.device)
+
+
+def int4_weight(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype,
+                device: torch.device) -> Int4Weight:
+    """The Int4Weight of codes q [N, K] in [0, 15] and per-group float32 scale and minimum [N, K / INT4_GROUP]
+    (w = q * scale + lo); dtype: the arithmetic's, in which torch's kernel takes them."""
+    if device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
+        return Int4Weight(cpu_kernels.pack_int4_weight_panels(q, scale, lo), None, q.shape)
     zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(w.dtype)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)  # 2 inner k-tiles: the CPU kernel's choice
-    return Int4Weight(packed, scales_zeros, w.shape)
+    scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    # 2 inner k-tiles: the CPU kernel's choice
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    return Int4Weight(packed, scales_zeros, q.shape)
 
 
 def panel_layout(dtype: torch.dtype) -> str | None:
@@ -234,7 +342,17 @@ def pack_float(w: torch.Tensor, panels: bool = False) -> Weight:
     return PackedFloatWeight(packed, w.shape)
 
 
-def quantize(w: torch.Tensor, mode: str) -> Weight:
+def quantize(w: torch.Tensor | Codes, mode: str, dtype: torch.dtype | None = None) -> Weight:
+    """w in `mode`. A GGUF's codes serve as they are where the mode takes them: int4 both kinds (the Q6_K tensors
+    of a Q4_K_M file stay per-row int8, as its head does), int8 the int8 ones; otherwise they are dequantized
+    first. dtype: the arithmetic's (torch's kernels take their scales in it); default: w's."""
+    dtype = dtype or getattr(w, "dtype", torch.float32)
+    if isinstance(w, Int4Codes) and mode == "int4":
+        return int4_weight(w.q, w.scale, w.low, dtype, w.q.device)
+    if isinstance(w, Int8Codes) and mode in ("int8", "int4"):
+        return int8_weight(w.q, w.scale, dtype, w.q.device)
+    if not isinstance(w, torch.Tensor):
+        w = w.dequantize(dtype)
     if mode == "int8":
         return quantize_int8(w)
     if mode == "int4":

@@ -6,11 +6,16 @@ numpy code and has transformers convert the GGUF vocabulary to a fast tokenizer.
 pure functions of the file, so their results are kept beside the kernels' build cache:
 
     <XDG_CACHE_HOME or ~/.cache>/iterserve/weights/<file stem>-<path hash>-<key>/
+        tensors.json        each GGUF tensor's name, type and shape: the served format and bytes
         model.safetensors   the dequantized float32 weights (HF names; q/k/v and gate/up fused as the
-                            model runs them), the ModelArch in its header
+                            model runs them), the ModelArch in its header; floats served only
+        native.safetensors  int8/int4 served from the file's codes (gguf_quant.py): the weights the model
+                            keeps as given (norms, biases; a quantized embedding as int8 rows + scales),
+                            the ModelArch and every tensor's name; no linear weight, no float32 model
         panels-<dtype>.safetensors   the linear weights packed for the CPU kernel (PanelCache), per dtype
                             and layout; panels-<dtype>-w8a8 / -int8 / -int4 their int8 or int4 panels
-                            (--quantization w8a8, or int8 / int4 where the kernel takes them: AVX2)
+                            (--quantization w8a8, or int8 / int4 where the kernel takes them: AVX2);
+                            -int8-rows / -int4-tiles torch's int8 and int4 layouts (codes and scales)
         tokenizer/          the tokenizer as transformers' save_pretrained writes it, and beside it what
                             the serving tokenizer reads (model/tokenizer.py: no transformers import)
 
@@ -47,17 +52,18 @@ from pathlib import Path
 import torch
 
 from iterserve.heap import advise_huge_pages, trim_heap
-from iterserve.model import cpu_kernels, loader, tokenizer
+from iterserve.model import cpu_kernels, gguf_quant, loader, tokenizer
 from iterserve.model.cpu_kernels import cache_dir
 from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
 from iterserve.model.loader import ModelArch
-from iterserve.model.quant import Weight, from_panel_tensor, panel_layout, panel_tensor, weight_only_on_panels
+from iterserve.model.quant import Int8Codes, Weight, from_stored, panel_layout, stored_tensors, weight_only_on_panels
 
 logger = logging.getLogger("iterserve.model")
 
-FORMAT = 4  # bump when what an entry holds changes (2: q/k/v and gate/up fused; 3, 4: int8, int4 panels in pairs)
+FORMAT = 5  # bump when what an entry holds changes (2: q/k/v and gate/up fused; 3, 4: int8, int4 panels in
+# pairs; 5: int8/int4 from a quantized GGUF's codes, native.safetensors, torch's int8/int4 layouts)
 _EDGE = 1 << 20  # bytes hashed at each end of the model file
-_WEIGHTS, _TOKENIZER = "model.safetensors", "tokenizer"
+_WEIGHTS, _NATIVE, _TABLE, _TOKENIZER = "model.safetensors", "native.safetensors", "tensors.json", "tokenizer"
 # the weights the model packs or quantizes into its own copies; it keeps every other one as given
 _PACKED_SUFFIXES = ("_proj.weight", "lm_head.weight")
 
@@ -122,12 +128,15 @@ def _entry_prefix(path: str) -> str:
 
 # ---------------------------------------------------------------- weights and arch
 
-def load_arch_and_weights(path: str, dtype: torch.dtype = torch.float32,
-                          device: str | torch.device = "cpu") -> tuple[ModelArch, dict[str, torch.Tensor]]:
-    """loader.load_model_arch + loader.load_weights, through the cache where the file is cached.
+def load_arch_and_weights(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                          quantization: str | None = None) -> tuple[ModelArch, Mapping]:
+    """loader.load_model_arch + loader.load_weights, through the cache where the file is cached; served in
+    int8/int4 from a quantized GGUF (serves_codes), the file's codes instead of floats (native_weights).
 
     A cold start writes the entry and then reads it back like a warm one, so the first run serves
     exactly what every later run serves."""
+    if serves_codes(path, quantization):
+        return native_weights(path, dtype)
     entry = entry_dir(path)
     if entry is None:
         arch = loader.load_model_arch(path)
@@ -139,12 +148,15 @@ def load_arch_and_weights(path: str, dtype: torch.dtype = torch.float32,
 
 
 def load_arch(path: str) -> ModelArch:
-    """loader.load_model_arch through the cache: a warm entry's metadata, without parsing the model file
-    (for the GGUF, a few seconds of the gguf reader); the file's own where it is not cached yet."""
+    """loader.load_model_arch through the cache: a warm entry's metadata (of its floats or its native weights),
+    without parsing the model file (for the GGUF, a few seconds of the gguf reader); the file's own where it is
+    not cached yet."""
     entry = entry_dir(path)
-    file = entry / _WEIGHTS if entry is not None else None
-    cached = _read_weights(file, entry.name) if file is not None and file.exists() else None
-    return cached[0] if cached is not None else loader.load_model_arch(path)
+    for file in (entry / _WEIGHTS, entry / _NATIVE) if entry is not None else ():
+        cached = _read_weights(file, entry.name) if file.exists() else None
+        if cached is not None:
+            return cached[0]
+    return loader.load_model_arch(path)
 
 
 def _through_entry(path: str, entry: Path):
@@ -214,14 +226,157 @@ class LazyWeights(Mapping):
         return len(self._names)
 
 
+# ---------------------------------------------------------------- a quantized GGUF served as it is
+
+def tensor_table(path: str) -> list[tuple[str, str, list[int]]]:
+    """loader.gguf_tensor_table through the entry (tensors.json), so a warm start decides the format and the
+    bytes without parsing the GGUF."""
+    entry = entry_dir(path)
+    file = entry / _TABLE if entry is not None else None
+    if file is not None and file.exists():
+        try:
+            return [tuple(t) for t in json.loads(file.read_text())]
+        except (OSError, ValueError) as exc:
+            logger.warning("weight cache: %s is unreadable (%s); rebuilding it", file, exc)
+    table = loader.gguf_tensor_table(path)
+    if file is not None:
+        tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(table))
+            os.replace(tmp, file)
+        except OSError as exc:
+            logger.warning("weight cache: cannot write %s (%s)", file, exc)
+    return table
+
+
+def resolve_quantization(path: str | None, quantization: str | None, dtype: str) -> str | None:
+    """--quantization as the model serves it: "none" is None; "auto" is what a quantized GGUF's linear weights
+    hold (gguf_quant.file_format: int4 for Q4_*, int8 for Q8_0 and other K-quants) when --dtype is auto too,
+    and floats otherwise: for an explicit --dtype, a float file, weights given in memory (path None), and the
+    shipped default model (loader.DEFAULT_GGUF: the test suite's and the headline benchmark's bf16 reference).
+    docs/models.md states the rule."""
+    if quantization != "auto":
+        return None if quantization == "none" else quantization
+    if path is None or dtype != "auto" or not _cacheable(path) or os.path.basename(path) == loader.DEFAULT_GGUF:
+        return None
+    return gguf_quant.file_format(tensor_table(path))
+
+
+def serves_codes(path: str, quantization: str | None) -> bool:
+    """Whether int8/int4 come from the file's own codes, tensor by tensor (a quantized GGUF whose linears are
+    one matrix each), rather than from float weights."""
+    if quantization not in ("int8", "int4") or not _cacheable(path):
+        return False
+    table = tensor_table(path)
+    return gguf_quant.file_format(table) is not None and loader.gguf_serves_codes(table, load_arch(path).architecture)
+
+
+def served_bytes(path: str, quantization: str | None, dtype: torch.dtype) -> int | None:
+    """The weights' bytes as served (gguf_quant.served_bytes), from the header; None for a Hugging Face directory."""
+    if not _cacheable(path):
+        return None
+    table = tensor_table(path)
+    tied = not any(name == "output.weight" for name, _, _ in table)
+    return gguf_quant.served_bytes(table, quantization, dtype, tied)
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(path: str, quantization: str | None, dtype: torch.dtype, kv_bytes: int) -> None:
+    """Refuse, before anything is read, a model whose served weights and KV pools cannot fit in memory."""
+    weights, available = served_bytes(path, quantization, dtype), available_memory()
+    if weights is None or available is None or weights + kv_bytes <= available:
+        return
+    gib = 1 << 30
+    raise ValueError(f"{os.path.basename(path)} cannot fit: it needs {(weights + kv_bytes) / gib:.1f} GiB "
+                     f"({weights / gib:.1f} GiB of weights served as {quantization or dtype} + "
+                     f"{kv_bytes / gib:.1f} GiB of KV cache) but {available / gib:.1f} GiB is available (MemAvailable); try a smaller "
+                     "--quantization, --kv-cache-memory or model")
+
+
+def native_weights(path: str, dtype: torch.dtype) -> tuple[ModelArch, Mapping]:
+    """The arch and weights of a quantized GGUF served from its codes: the kept weights from the entry's
+    native.safetensors (written on a miss), each linear weight from the GGUF (loader.GGUFCodes) only when the
+    panel cache lacks it."""
+    entry = entry_dir(path)
+    if entry is None:
+        arch = loader.load_model_arch(path)
+        return arch, loader.GGUFCodes(path, arch, dtype)
+    file = entry / _NATIVE
+    cached = _read_weights(file, entry.name) if file.exists() else None
+    if cached is None:
+        arch = loader.load_model_arch(path)
+        codes = loader.GGUFCodes(path, arch, dtype)
+        kept = {n: codes[n] for n in codes if not n.endswith(_PACKED_SUFFIXES)}
+        if not _write_native(file, entry.name, arch, kept, list(codes)):
+            return arch, codes
+        logger.info("weight cache: %s's kept weights written to %s", os.path.basename(path), file)
+        _prune_siblings(entry)
+        del kept
+        cached = _read_weights(file, entry.name)
+        if cached is None:
+            return arch, codes
+    arch, handle = cached
+    return arch, NativeWeights(handle, dtype, lambda: loader.GGUFCodes(path, arch, dtype))
+
+
+def _write_native(file: Path, key: str, arch: ModelArch, kept: dict, names: list[str]) -> bool:
+    """kept's floats in float32 and its codes as int8 rows + "<name>.scale", written whole or not at all."""
+    tensors = {}
+    for name, w in kept.items():
+        if isinstance(w, torch.Tensor):
+            tensors[name] = _owned(w.float())
+        else:  # an embedding table: int8 rows, dequantized on lookup (an int4 one re-coded: no int4 lookup)
+            w = w if isinstance(w, Int8Codes) else w.to_int8()
+            tensors[name], tensors[name + ".scale"] = w.q.contiguous(), w.scale.float().contiguous()
+    return _save_entry(file, key, arch, tensors, names=json.dumps(names))
+
+
+class NativeWeights(LazyWeights):
+    """native.safetensors' kept weights (an int8 table as quant.Int8Codes), and every other tensor of the GGUF
+    by name, read from the file (open_codes(): a loader.GGUFCodes, made on first use, which parses the GGUF
+    header) only when the model asks for one: a warm start with its panel cache never does."""
+
+    def __init__(self, handle, dtype: torch.dtype, open_codes) -> None:
+        super().__init__(handle, dtype, torch.device("cpu"))
+        stored = self._names
+        self._names = set(json.loads(handle.metadata()["names"]))
+        self._stored, self._open, self._codes = stored, open_codes, None
+
+    def __getitem__(self, name: str):
+        if name in self._kept:
+            return self._kept[name]
+        if name + ".scale" in self._stored:
+            self._kept[name] = Int8Codes(self._file.get_tensor(name), self._file.get_tensor(name + ".scale"))
+            return self._kept[name]
+        if name in self._stored or name not in self._names:
+            return super().__getitem__(name)
+        self._codes = self._codes or self._open()
+        return self._codes[name]
+
+
 def _write_weights(file: Path, key: str, arch: ModelArch, weights: dict[str, torch.Tensor]) -> bool:
+    return _save_entry(file, key, arch, {k: _owned(v) for k, v in fuse(weights).items()})
+
+
+def _save_entry(file: Path, key: str, arch: ModelArch, tensors: dict[str, torch.Tensor], **meta: str) -> bool:
     """Written whole or not at all: a temporary file renamed into place."""
     from safetensors.torch import save_file
     tmp = file.with_name(f"{file.name}.{os.getpid()}.tmp")
-    meta = {"key": key, "format": str(FORMAT),
-            "arch": json.dumps(dataclasses.asdict(arch), default=lambda o: o.item())}  # numpy scalars from GGUF
+    meta |= {"key": key, "format": str(FORMAT),
+             "arch": json.dumps(dataclasses.asdict(arch), default=lambda o: o.item())}  # numpy scalars from GGUF
     try:
-        save_file({k: _owned(v) for k, v in fuse(weights).items()}, str(tmp), metadata=meta)
+        save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, file)
     except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is no reason to fail
         logger.warning("weight cache: cannot write %s (%s); this start is not cached", file, exc)
@@ -289,7 +444,7 @@ class PanelCache:
         if name in self.mapped:
             return self.mapped[name]
         weight = build()
-        if panel_tensor(weight) is not None:
+        if stored_tensors(weight) is not None:
             self.built[name] = weight
         return weight
 
@@ -300,14 +455,16 @@ class PanelCache:
         packing again."""
         if not self.built or self.mapped:
             return
-        from safetensors.torch import save_file
         tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
-        tensors = {n: panel_tensor(w) for n, w in self.built.items()}
+        stored = {n: stored_tensors(w) for n, w in self.built.items()}
         meta = {"key": self.key, "out_features": json.dumps({n: w.shape[0] for n, w in self.built.items()}),
                 "in_features": json.dumps({n: w.shape[1] for n, w in self.built.items()}),
-                "kinds": json.dumps({n: kind for n, (_, kind) in tensors.items()})}
+                "kinds": json.dumps({n: kind for n, (kind, _) in stored.items()})}
+        # a weight's first tensor under its name, any further one as "<name>:<i>"
+        tensors = {n if i == 0 else f"{n}:{i}": t.contiguous() for n, (_, ts) in stored.items()
+                   for i, t in enumerate(ts)}
         try:
-            save_file({n: t for n, (t, _) in tensors.items()}, str(tmp), metadata=meta)
+            save_aligned(tensors, tmp, meta)
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -322,6 +479,31 @@ class PanelCache:
         logger.info("weight cache: packed weights written to %s", self.file)
 
 
+_ALIGN = 64  # torch's int8 and int4 CPU kernels fault on weights not 16-byte aligned (safetensors aligns to 8)
+
+
+def save_aligned(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str]) -> None:
+    """safetensors' format with every tensor's data _ALIGN-aligned in the file, so in a page-aligned mapping:
+    "__pad<i>" uint8 tensors fill the gaps (the format allows no holes) and the header is padded with spaces."""
+    header, offset, order = {"__metadata__": metadata}, 0, []
+    for i, (name, t) in enumerate(tensors.items()):
+        gap = -offset % _ALIGN
+        if gap:
+            header[f"__pad{i}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+            order.append(torch.zeros(gap, dtype=torch.uint8))
+            offset += gap
+        header[name] = {"dtype": _SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + t.nbytes]}
+        order.append(t)
+        offset += t.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()  # compact, as safetensors writes it
+    text += b" " * (-(8 + len(text)) % _ALIGN)
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for t in order:
+            f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+
+
 def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool = False,
                 quantization: str | None = None) -> PanelCache | None:
     """The model file's panel cache for weights of `dtype` (mixed: under float32 arithmetic, which takes
@@ -331,15 +513,17 @@ def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool
     layout = None
     if device.type == "cpu" and quantization == "w8a8":
         layout = "w8a8" if cpu_kernels.linear_int8_supported() else None
-    elif device.type == "cpu" and quantization in ("int8", "int4"):
-        layout = quantization if weight_only_on_panels(quantization) else None
+    elif device.type == "cpu" and quantization in ("int8", "int4"):  # the panels, or torch's layouts (stored_tensors)
+        layout = quantization if weight_only_on_panels(quantization) else \
+            {"int8": "int8-rows", "int4": "int4-tiles"}[quantization]
     elif device.type == "cpu" and quantization is None:
         layout = "plain" if mixed and cpu_kernels.linear_kernel() is not None else panel_layout(dtype)
     entry = entry_dir(path) if layout is not None else None
     if entry is None:
         return None
     name = str(dtype).removeprefix("torch.") + (f"-{layout}" if layout not in ("plain", None) else "")
-    group = {"w8a8": f"-{cpu_kernels.INT8_GROUP}", "int4": f"-{cpu_kernels.INT4_GROUP}"}.get(layout, "")
+    group = {"w8a8": f"-{cpu_kernels.INT8_GROUP}", "int4": f"-{cpu_kernels.INT4_GROUP}",
+             "int4-tiles": f"-{cpu_kernels.INT4_GROUP}"}.get(layout, "")
     return PanelCache(entry / f"panels-{name}.safetensors", f"{entry.name}-{name}-{cpu_kernels.PANEL}{group}")
 
 
@@ -363,25 +547,36 @@ def _map_panels(file: Path, key: str) -> dict[str, Weight]:
         kinds = json.loads(meta.get("kinds", "{}"))  # older files: "panels" only
         panels = {}
         for name, info in header.items():
+            if name.startswith("__pad"):  # save_aligned's filler
+                continue
             dtype, shape = _SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
             begin, end = (8 + length + o for o in info["data_offsets"])
-            rank_ok = len(shape) == 1 if kinds.get(name, "panels") != "panels" else \
-                len(shape) == 2 if dtype == torch.int8 else len(shape) in (3, 4)  # int8: w8a8's panels
+            kind = kinds.get(name.split(":")[0], "panels")
+            rank_ok = kind in ("int8-rows", "int4-tiles") or (len(shape) == 1 if kind != "panels" else
+                                                             len(shape) == 2 if dtype == torch.int8 else len(shape) in (3, 4))
             if not rank_ok or end > len(mapping) or end - begin != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"{name}: shape {shape} and offsets {info['data_offsets']} disagree")
             panels[name] = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=begin).view(shape)
-        if set(panels) != set(out_features):
+        if {n.split(":")[0] for n in panels} != set(out_features):
             raise ValueError("its panels and their out_features disagree")
     except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, it is rebuilt, never fatal
         logger.warning("weight cache: %s is unreadable (%s); rebuilding it", file, exc)
         file.unlink(missing_ok=True)
         return {}
     logger.info("weight cache: packed weights mapped from %s", file)
-    return {name: from_panel_tensor(kinds.get(name, "panels"), p, torch.Size(
-        (out_features[name], in_features.get(name) or cpu_kernels.panel_in_features(p)))) for name, p in panels.items()}
+    out = {}
+    for name, p in panels.items():
+        if ":" in name:
+            continue
+        parts = [p] + [panels[f"{name}:{i}"] for i in range(1, 1 + sum(n.startswith(name + ":") for n in panels))]
+        shape = torch.Size((out_features[name], in_features.get(name) or cpu_kernels.panel_in_features(p)))
+        out[name] = from_stored(kinds.get(name, "panels"), parts, shape)
+    return out
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
+                      "U8": torch.uint8}
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
 # ---------------------------------------------------------------- tokenizer

@@ -259,12 +259,14 @@ def test_a_warm_weight_only_start_maps_the_panels_a_cold_start_quantized(gguf, c
 
 
 @needs_panels
-def test_quantized_and_uncached_models_write_no_panels(gguf, cache, monkeypatch):
-    """Weight-only int8 on torch's kernels (as on AVX-512) keeps no panels to cache."""
+def test_torch_layouts_are_cached_and_uncached_models_write_no_panels(gguf, cache, monkeypatch):
+    """Weight-only int8 on torch's kernels (as on AVX-512) is cached in torch's layout (codes and scales), from
+    the GGUF's codes: the entry holds no float32 model."""
     monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)
     monkeypatch.setattr(cpu_kernels, "linear_weight_only_supported", lambda flags=(): False)
     runner_of(gguf, dtype="float32", quantization="int8")
-    assert not list(entries(cache)[0].glob("panels-*"))
+    assert [p.name for p in entries(cache)[0].glob("panels-*")] == ["panels-float32-int8-rows.safetensors"]
+    assert not (entries(cache)[0] / "model.safetensors").exists()
     monkeypatch.setenv("ITERSERVE_WEIGHT_CACHE", "0")
     assert weight_cache.panel_cache(gguf, torch.float32, torch.device("cpu")) is None
 
