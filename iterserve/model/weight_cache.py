@@ -293,15 +293,25 @@ def available_memory() -> int | None:
 
 
 def check_fits(path: str, quantization: str | None, dtype: torch.dtype, kv_bytes: int) -> None:
-    """Refuse, before anything is read, a model whose served weights and KV pools cannot fit in memory."""
+    """Refuse, before anything is read, a model whose served weights and KV pools cannot fit in memory. A cold
+    start from floats (not serves_codes) holds every GGUF tensor in float32 before it writes the entry: that
+    is its need."""
     weights, available = served_bytes(path, quantization, dtype), available_memory()
+    held = f"{quantization or str(dtype).removeprefix('torch.')} weights"
+    if weights is not None and not serves_codes(path, quantization) and not _warm_floats(path):
+        weights, held = max(weights, served_bytes(path, None, torch.float32)), "weights in float32 as they load"
     if weights is None or available is None or weights + kv_bytes <= available:
         return
     gib = 1 << 30
     raise ValueError(f"{os.path.basename(path)} cannot fit: it needs {(weights + kv_bytes) / gib:.1f} GiB "
-                     f"({weights / gib:.1f} GiB of weights served as {quantization or dtype} + "
-                     f"{kv_bytes / gib:.1f} GiB of KV cache) but {available / gib:.1f} GiB is available (MemAvailable); try a smaller "
-                     "--quantization, --kv-cache-memory or model")
+                     f"({weights / gib:.1f} GiB of {held} + {kv_bytes / gib:.1f} GiB of KV cache) but "
+                     f"{available / gib:.1f} GiB is available (MemAvailable); try a smaller --quantization, "
+                     "--kv-cache-memory or model")
+
+
+def _warm_floats(path: str) -> bool:
+    entry = entry_dir(path)
+    return entry is not None and (entry / _WEIGHTS).exists()
 
 
 def native_weights(path: str, dtype: torch.dtype) -> tuple[ModelArch, Mapping]:

@@ -150,9 +150,11 @@ def test_served_bytes_are_what_the_model_holds(q4_k_m):
 def test_a_model_that_cannot_fit_is_refused_before_loading(q4_k_m, monkeypatch):
     monkeypatch.setattr(weight_cache, "available_memory", lambda: 1000)
     monkeypatch.setattr(loader.GGUFCodes, "__getitem__", lambda *a: pytest.fail("read a tensor"))
-    with pytest.raises(ValueError, match=r"cannot fit: it needs .* GiB .* int4 .* KV cache\) but 0.0 GiB is "
+    with pytest.raises(ValueError, match=r"cannot fit: it needs .* GiB .* int4 weights .* KV cache\) but 0.0 GiB is "
                                          r"available \(MemAvailable\)"):
         runner(q4_k_m)
+    with pytest.raises(ValueError, match=r"weights in float32 as they load"):  # a cold float start's need
+        runner(q4_k_m, quantization="none")
 
 
 def test_the_cache_holds_the_served_codes_and_a_warm_start_reads_no_gguf(q4_k_m, monkeypatch):
