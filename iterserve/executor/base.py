@@ -40,6 +40,14 @@ class KVBlockIO(Protocol):
     def write_blocks(self, block_ids: list[int], blocks) -> None: ...
 
 
+@runtime_checkable
+class PoolingExecutor(Protocol):
+    """An executor that pools prompts' hidden states into embeddings (SamplingParams.pooling, StepResult.pooled);
+    not part of the Executor contract: fakes, tensor-parallel and remote executors do not."""
+
+    supports_pooling: bool
+
+
 _REQUIRED = ("kv_cache_spec", "max_model_len", "vocab_size", "eos_token_ids", "tokenizer", "execute", "shutdown")
 
 

@@ -18,6 +18,7 @@ from typing import AsyncIterator, Callable
 
 from iterserve.engine import Engine
 from iterserve.engine.stats import EngineStats
+from iterserve.executor.base import PoolingExecutor
 from iterserve.heap import trim_heap
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
@@ -240,7 +241,7 @@ class AsyncEngine:
     @property
     def supports_pooling(self) -> bool:
         """Whether its executor pools hidden states (SamplingParams.pooling; the ModelRunner does)."""
-        return bool(getattr(getattr(self.engine, "executor", None), "supports_pooling", False))
+        return isinstance(self.engine, Engine) and isinstance(self.engine.executor, PoolingExecutor)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """The engine's own prompt check (pure: reads only the tokenizer and the vocabulary size)."""

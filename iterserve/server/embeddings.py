@@ -66,7 +66,8 @@ def router(routes: Routes, pooling: str) -> APIRouter:
     @api.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
         routes.check_model(body.model)
-        if not getattr(routes.engine, "supports_pooling", False):  # a fake, tensor-parallel or remote executor
+        # No pooling behind a fake, tensor-parallel or remote engine.
+        if not getattr(routes.engine, "supports_pooling", False):
             raise ApiError(400, "this deployment's executor does not compute embeddings")
         if body.dimensions is not None:
             raise ApiError(400, f"dimensions is not supported: {routes.model} gives embeddings of its hidden size "

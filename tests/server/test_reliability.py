@@ -225,13 +225,22 @@ def test_serve_binds_loopback_by_default():
     assert args.host == "127.0.0.1" and args.allowed_origins is None and args.request_timeout is None
 
 
+def route_paths(routes) -> list[str]:
+    """Every route's path, those of included routers too (FastAPI keeps an included router as one entry)."""
+    out = []
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        out += route_paths(inner.routes) if inner is not None else [route.path]
+    return out
+
+
 def test_no_route_serves_files(fake_server):
     """The whole surface: nothing takes a file name (no static directory, no model loading by URL; the
     dashboard is two fixed files read from the package; /v1/models/{id} takes a model name, which may
     hold a slash as Hugging Face ids do, and only compares it with the served name)."""
     app = fake_server.uvicorn_server.config.app
-    paths = {route.path for route in app.routes}
-    assert paths == {"/health", "/version", "/v1/models", "/v1/models/{model_id:path}", "/metrics",
+    paths = set(route_paths(app.routes))
+    assert paths == {"/v1/embeddings", "/health", "/version", "/v1/models", "/v1/models/{model_id:path}", "/metrics",
                      "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
                      "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
                      "/dashboard", "/dashboard.js", "/v1/dashboard", "/v1/diagnostics"}
