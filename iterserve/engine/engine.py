@@ -1,4 +1,7 @@
-"""The step loop: schedule -> execute -> update, plus tokenization, per-request text and n > 1.
+"""The step loop: schedule -> execute -> update -> outputs, plus tokenization and n > 1.
+
+Each request's text, stop strings and outputs belong to the OutputProcessor (output_processor.py);
+its tokens to the scheduler.
 
 n > 1 lives here, at the front (as vLLM's ParentRequest does): a request for n sequences becomes n
 child requests with the same prompt, which share its KV blocks through the prefix cache and the
@@ -10,11 +13,11 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 from iterserve.config import EngineConfig
-from iterserve.engine.detokenizer import Detokenizer
+from iterserve.engine.output_processor import OutputProcessor, OutputState
 from iterserve.engine.spec_decode import NgramProposer, draftable
 from iterserve.engine.stats import EngineStats
 from iterserve.executor.base import Executor, ExecutorDeadError, check_executor
@@ -22,21 +25,9 @@ from iterserve.kv_transfer.connector import KVTransfer
 from iterserve.outputs import RequestOutput, StepRecord
 from iterserve.request import Request, RequestStatus, RequestTimes
 from iterserve.sampling_params import SamplingParams
-from iterserve.scheduler.output import StepResult, TokenLogprobs
 from iterserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("iterserve.engine")
-
-
-@dataclass(slots=True)
-class _TextState:
-    detokenizer: Detokenizer | None
-    index: int = 0  # which of its parent's n sequences
-    parent_id: str | None = None
-    n: int = 1  # its parent's number of sequences
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # [None (the first token has none), ...]
-    num_tokens_sent: int = 0
 
 
 def make_executor(config: EngineConfig) -> Executor:
@@ -52,15 +43,6 @@ def make_proposer(config: EngineConfig) -> NgramProposer | None:
     if sc.speculative_method is None:
         return None
     return NgramProposer(sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
-
-
-def _drop_output_after(request: Request, num_output_tokens: int) -> None:
-    """Forget output tokens past a stop (a speculative step accepted them in one go)."""
-    extra = request.num_output_tokens - num_output_tokens
-    if extra > 0:
-        del request.output_token_ids[num_output_tokens:]
-        del request.token_ids[len(request.token_ids) - extra:]
-        del request.times.token_times[len(request.times.token_times) - extra:]
 
 
 class Engine:
@@ -85,12 +67,17 @@ class Engine:
         if asked is not None and self.scheduler.max_model_len < asked:
             raise ValueError(f"max_model_len {asked} does not fit the KV pool, which holds "
                              f"{self.scheduler.max_model_len} tokens: raise --kv-cache-memory or lower --max-model-len")
-        self.states: dict[str, _TextState] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.parents: dict[str, list[str]] = {}  # n > 1: parent id -> its unfinished children's ids
         self.step_records: deque[StepRecord] = deque(maxlen=200_000)
         self.num_steps = 0
         self.num_kv_transfers_recomputed = 0  # P/D decode side: prompts recomputed after a failed transfer
         self.proposer = make_proposer(self.config)
+
+    @property
+    def states(self) -> dict[str, OutputState]:
+        """Unfinished requests' output state, by id (the output processor's)."""
+        return self.output_processor.states
 
     @property
     def max_model_len(self) -> int:
@@ -116,7 +103,7 @@ class Engine:
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary (0..{self.vocab_size - 1})")
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.parents or request_id in self.states:
+        if request_id in self.parents or request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = self.clock() if arrival_time is None else arrival_time
         if params.n == 1:
@@ -139,14 +126,7 @@ class Engine:
 
     def _add(self, request: Request, params: SamplingParams, index: int, parent_id: str | None) -> None:
         self.scheduler.add_request(request)  # raises ValueError before touching any state
-        self._add_state(request, params, index, parent_id)
-
-    def _add_state(self, request: Request, params: SamplingParams, index: int, parent_id: str | None) -> None:
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = Detokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
-                                      params.skip_special_tokens, params.include_stop_str_in_output)
-        self.states[request.request_id] = _TextState(detokenizer, index, parent_id, params.n)
+        self.output_processor.add_request(request, params, index, parent_id)
 
     # ---- disaggregated prefill (docs/disaggregation.md) ------------------------------------
     def add_computed_request(self, transfer: KVTransfer) -> bool:
@@ -154,7 +134,7 @@ class Engine:
         KV blocks written into this pool. Blocks that did not arrive or do not fit are recomputed here
         (counted in stats.num_kv_transfers_recomputed). False: no room or seat yet; ask again later."""
         m, rid = transfer.meta, transfer.request_id
-        if rid in self.states:
+        if rid in self.output_processor:
             raise ValueError(f"request id {rid!r} is already in use")
         request = Request(rid, list(m.prompt_token_ids), m.sampling_params, RequestTimes(m.arrival_time),
                           self.eos_token_ids, m.priority, m.cache_salt)
@@ -170,12 +150,8 @@ class Engine:
                 return False
             first, block_ids = placed
             self.executor.write_blocks(block_ids, transfer.blocks[:, :, first:])
-        self._add_state(request, m.sampling_params, 0, None)
-        state = self.states[rid]
-        state.num_tokens_sent = 1  # the prefill engine streamed the first token
-        if state.detokenizer is not None:
-            state.detokenizer.add(m.first_token)
-            state.detokenizer.take_new_text(False)
+        self.output_processor.add_request(request, m.sampling_params)
+        self.output_processor.mark_sent(request)  # the prefill engine streamed the first token
         return True
 
     def _unfit(self, transfer: KVTransfer) -> str | None:
@@ -197,7 +173,7 @@ class Engine:
     def release(self, request_id: str) -> None:
         """Prefill side: drop a request, with no output, whose blocks were handed to a decode engine."""
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
-        self.states.pop(request_id, None)
+        self.output_processor.remove(request_id)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -244,51 +220,19 @@ class Engine:
                              len(plan.scheduled))
             return [o for s in plan.scheduled if not s.is_padding
                     for o in [self._finish(s.request_id, RequestStatus.FINISHED_ERROR, str(exc))] if o]
-        logprobs = self._logprobs_by_request(plan, result)
-        self._add_prompt_logprobs(plan, result)
-        outputs = []
-        for request in self.scheduler.update(plan, result):
-            out = self._output(request, logprobs.get(request.request_id), unfinished)
-            if out is not None:
-                outputs.append(out)
-            if self.proposer is not None and not request.finished:
-                self._propose(request)
+        progressed = self.scheduler.update(plan, result)
+        outputs = self.output_processor.process(progressed, plan, result, unfinished)
+        self._forget_finished(outputs)
+        if self.proposer is not None:
+            for request in progressed:
+                if not request.finished:
+                    self._propose(request)
         self.num_steps += 1
         self.step_records.append(self._record(plan, start))
         return outputs
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-    def _output(self, request: Request, logprobs: TokenLogprobs | None,
-                unfinished: bool = True) -> RequestOutput | None:
-        state = self.states[request.request_id]
-        if logprobs is not None:
-            state.logprobs.append(logprobs)
-        if state.detokenizer is not None:
-            self._detokenize(request, state.detokenizer, state.num_tokens_sent)
-        if not unfinished and not request.finished:
-            self._take_new(request, state, False)
-            return None
-        return self._emit(request, state)
-
-    def _detokenize(self, request: Request, detokenizer: Detokenizer, first: int) -> None:
-        """Feed the step's new tokens (several after accepted drafts) and stop at a stop string exactly
-        where one-token decoding would: the tokens after it are dropped."""
-        outputs, min_tokens = request.output_token_ids, request.sampling_params.min_tokens
-        for j in range(first, len(outputs)):
-            stop = detokenizer.add(outputs[j], j + 1 >= min_tokens)
-            if stop is None:
-                continue
-            if j + 1 == len(outputs) and request.finished:
-                return  # stopped at this very token already (EOS, max_tokens): that reason stands
-            _drop_output_after(request, j + 1)
-            request.stop_reason = stop
-            if request.finished:  # ended later in the accepted run (max_tokens); the stop string came first
-                request.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            return
 
     def _propose(self, request: Request) -> None:
         """Drafts for the request's next step, never past max_tokens or the context (each accepted draft
@@ -301,60 +245,21 @@ class Engine:
         if drafts:
             self.scheduler.set_drafts(request, drafts)
 
-    def _emit(self, request: Request, state: _TextState, error: str | None = None) -> RequestOutput:
-        finished = request.finished
-        outputs = request.output_token_ids  # a live list: RequestOutput.token_ids grows with it
-        new_tokens, new_text, text = self._take_new(request, state, finished)
-        if finished:
-            self.states.pop(request.request_id, None)
-            self._child_finished(state.parent_id, request.request_id)
-        return RequestOutput(
-            request.request_id, request.prompt_token_ids, outputs, text, new_tokens, new_text,
-            finished, request.status.value if finished else None, request.times,
-            state.logprobs, request.stop_reason, error, state.index, state.parent_id, state.n,
-            prompt_logprobs=state.prompt_logprobs, embedding=request.pooled)
-
-    @staticmethod
-    def _take_new(request: Request, state: _TextState, finished: bool) -> tuple[list[int], str, str]:
-        """(new tokens, new text, all text) since the previous output; the next output starts after them."""
-        outputs = request.output_token_ids
-        new_tokens = outputs[state.num_tokens_sent:]
-        state.num_tokens_sent = len(outputs)
-        if state.detokenizer is None:
-            return new_tokens, "", ""
-        return new_tokens, state.detokenizer.take_new_text(finished), state.detokenizer.text
-
-    def _child_finished(self, parent_id: str | None, child_id: str) -> None:
-        children = self.parents.get(parent_id) if parent_id is not None else None
-        if children is not None:
-            children.remove(child_id)
-            if not children:
-                del self.parents[parent_id]
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+        """n > 1: a parent is done when its last child is."""
+        for out in outputs:
+            children = self.parents.get(out.parent_id) if out.finished and out.parent_id is not None else None
+            if children is not None:
+                children.remove(out.request_id)
+                if not children:
+                    del self.parents[out.parent_id]
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> RequestOutput | None:
         request = self.scheduler.finish_request(request_id, status)
-        state = self.states.get(request_id)
-        if request is None or state is None:
-            return None
-        return self._emit(request, state, error)
-
-    def _add_prompt_logprobs(self, plan, result: StepResult) -> None:
-        """They come chunk by chunk, in order; a prompt recomputed after a preemption repeats them."""
-        for s, lps in zip(plan.scheduled, result.prompt_logprobs or ()):
-            state = self.states.get(s.request_id)
-            if lps is None or state is None:
-                continue
-            if state.prompt_logprobs is None:
-                state.prompt_logprobs = [None]
-            have = len(state.prompt_logprobs) - (s.start_pos + 1)  # of this chunk's, already kept
-            assert have >= 0, (s.request_id, s.start_pos, len(state.prompt_logprobs))
-            state.prompt_logprobs.extend(lps[have:])
-
-    @staticmethod
-    def _logprobs_by_request(plan, result: StepResult) -> dict[str, TokenLogprobs]:
-        if not result.logprobs:
-            return {}
-        return {s.request_id: lp for s, lp in zip(plan.scheduled, result.logprobs) if lp is not None}
+        out = None if request is None else self.output_processor.final_output(request, error)
+        if out is not None:
+            self._forget_finished([out])
+        return out
 
     def _record(self, plan, start: float) -> StepRecord:
         prefill, decode, starts = [], [], []

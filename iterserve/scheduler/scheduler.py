@@ -114,6 +114,21 @@ class Scheduler:
         self.finished_ids.append(request_id)
         return request
 
+    def stop_request(self, request: Request, stop_reason: str, keep_tokens: int) -> None:
+        """A stop string ends the request after its first `keep_tokens` output tokens (the output processor
+        found it): the tokens after it go (a speculative step may have accepted them in one go) and the
+        request finishes stopped, also if this step had already finished it later in the run (length)."""
+        extra = request.num_output_tokens - keep_tokens
+        if extra > 0:
+            del request.output_token_ids[keep_tokens:]
+            del request.token_ids[len(request.token_ids) - extra:]
+            del request.times.token_times[len(request.times.token_times) - extra:]
+        request.stop_reason = stop_reason
+        if request.finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
