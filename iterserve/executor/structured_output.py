@@ -6,10 +6,17 @@ The server compiles a request's grammar in a worker thread before the request re
 against the request's output before each use: tokens it has not seen are accepted, and if it is
 ahead (a sampled token that never joined the output) it is rebuilt from the output, so preemption,
 swaps and aborts cannot leave it out of step.
+
+Near the end of its max_tokens a request is steered to the shortest completion of its grammar
+(close the string, the arrays, the objects, the required keys left), so an object that would run
+out mid-value ends parsed with finish_reason "stop"; "length" only when even that did not fit.
+Within _WATCH spare tokens of that completion each sampled token is checked: one that would leave
+too few (a new array item, an object with required keys) is replaced by the completion's next one.
 """
 from __future__ import annotations
 
 import json
+import string
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,10 +24,21 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from iterserve.executor.grammar_bounds import json_grammar
 from iterserve.sampling_params import StructuredOutputs
 from iterserve.scheduler.output import ScheduledRequest
 
 _CACHE_SIZE = 256  # compiled grammars kept per tokenizer
+# Characters tried, in order, when a completion is not forced: closers first (a string's quote
+# first inside a string, where "]" and "}" would only lengthen it), then a number's digit, then
+# whatever a string or an enum may need.
+_OTHERS = "," + string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " "
+_TRIED_IN_STRING = '"]}' + _OTHERS
+_TRIED = ']}"' + _OTHERS
+_MAX_COMPLETION = 512  # characters; a grammar needing more is not steered
+_WATCH = 24  # spare tokens below which each sampled token is checked (one token rarely adds more)
+_RECHECK = 32  # steps between looks at the completion while far from the end
+_TOKEN_BYTES = 16  # longest token tried when tokenizing a completion
 
 
 class GrammarCache:
@@ -30,6 +48,8 @@ class GrammarCache:
                                                   stop_token_ids=sorted(eos_token_ids) or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
         self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(eos_token_ids)
+        self._by_bytes = _short_tokens(info, set(info.special_token_ids) | eos_token_ids)
         self._compiled: OrderedDict[StructuredOutputs, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -51,15 +71,33 @@ class GrammarCache:
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         c = self.compiler
-        if spec.json is not None:  # no free whitespace: a small model would pad with it forever
-            return c.compile_json_schema(spec.json, any_whitespace=False, strict_mode=True)
-        if spec.json_object:
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.json is not None or spec.json_object:
+            return c.compile_grammar(json_grammar(spec.json))
         if spec.regex is not None:
             return c.compile_regex(spec.regex)
         if spec.choice is not None:
             return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
         return c.compile_grammar(spec.grammar)
+
+    def tokens(self, text: str) -> list[int] | None:
+        """Tokens whose bytes are `text`, longest first (None: the vocabulary cannot spell it)."""
+        data, out, i = text.encode(), [], 0
+        while i < len(data):
+            j = next((j for j in range(min(len(data), i + _TOKEN_BYTES), i, -1) if data[i:j] in self._by_bytes), None)
+            if j is None:
+                return None
+            out.append(self._by_bytes[data[i:j]])
+            i = j
+        return out
+
+
+def _short_tokens(info: xgr.TokenizerInfo, special: set[int]) -> dict[bytes, int]:
+    """Bytes -> the first ordinary token spelling them, for tokens of at most _TOKEN_BYTES."""
+    out: dict[bytes, int] = {}
+    for i, b in enumerate(info.decoded_vocab):
+        if i not in special and 0 < len(b) <= _TOKEN_BYTES:
+            out.setdefault(b, i)
+    return out
 
 
 _CACHES: dict[tuple[int, int], GrammarCache] = {}
@@ -79,6 +117,10 @@ def grammar_cache(tokenizer, vocab_size: int, eos_token_ids: set[int]) -> Gramma
 class _Tracked:
     matcher: xgr.GrammarMatcher
     num_accepted: int = 0
+    check_below: float = float("inf")  # tokens left at which to look at the shortest completion again
+    watching: bool = False  # near the end: each sampled token is checked against the tokens left
+    plan: list[int] | None = None  # tokens of a shortest completion after num_accepted == plan_at
+    plan_at: int = -1
 
 
 class Matchers:
@@ -98,14 +140,61 @@ class Matchers:
             return None
         mask = xgr.allocate_token_bitmask(len(reqs), self.cache.vocab_size)
         for i in rows:
-            self._synced(reqs[i]).matcher.fill_next_token_bitmask(mask, i)
+            t = self._synced(reqs[i])
+            forced = self._steered(reqs[i], t)
+            if forced is None:
+                t.matcher.fill_next_token_bitmask(mask, i)
+            else:
+                _allow_only(mask, i, forced)
         return mask, rows
 
     def accept(self, reqs: list[ScheduledRequest], tokens: list[int], rows: list[int]) -> None:
+        """Follow the sampled tokens; near the end, replace in `tokens` one that leaves no room."""
         for i in rows:
             t = self.by_id[reqs[i].request_id]
+            if t.watching:
+                tokens[i] = self._checked(reqs[i], t, tokens[i])
             if t.matcher.accept_token(tokens[i]):
                 t.num_accepted += 1
+
+    def _steered(self, r: ScheduledRequest, t: _Tracked) -> list[int] | None:
+        """The only tokens allowed once the tokens left just fit the shortest completion and a stop
+        token; None while the model is free. Looked at every _RECHECK steps, or sooner as the
+        spare tokens halve: the search runs on few steps, but on every one near the end."""
+        left = r.sampling_params.max_tokens - r.output_len
+        if left > t.check_below:
+            return None
+        plan = self._plan(t)
+        spare = left - (len(plan) + 1) if plan is not None else _WATCH + 2 * _RECHECK
+        t.watching = spare <= _WATCH
+        t.check_below = left if t.watching else left - min(_RECHECK, (spare - _WATCH + 1) // 2)
+        if spare > 0:
+            return None
+        return plan[:1] or self.cache.stop_token_ids
+
+    def _checked(self, r: ScheduledRequest, t: _Tracked, token: int) -> int:
+        """`token`, unless the completion after it no longer fits the tokens left after it: then the
+        completion's next token (the plan of this step, which fits)."""
+        left = r.sampling_params.max_tokens - r.output_len - 1
+        m = t.matcher.fork()
+        after = shortest_completion(m) if m.accept_token(token) else None
+        plan = self.cache.tokens(after) if after is not None else None
+        if plan is not None and len(plan) + 1 <= left:
+            t.plan, t.plan_at = plan, t.num_accepted + 1
+            return token
+        current = self._plan(t)
+        if not current:  # complete (or no plan): stop here rather than run out
+            return self.cache.stop_token_ids[0] if current == [] else token
+        t.plan, t.plan_at = current[1:], t.num_accepted + 1
+        return current[0]
+
+    def _plan(self, t: _Tracked) -> list[int] | None:
+        """The tokens of a shortest completion from the matcher's state, kept for the step they are of."""
+        if t.plan_at != t.num_accepted:
+            completion = shortest_completion(t.matcher)
+            t.plan = self.cache.tokens(completion) if completion is not None else None
+            t.plan_at = t.num_accepted
+        return t.plan
 
     def _synced(self, r: ScheduledRequest) -> _Tracked:
         t = self.by_id.get(r.request_id)
@@ -117,6 +206,40 @@ class Matchers:
                 break  # the output left the grammar (it cannot, masked): stop following it
             t.num_accepted += 1
         return t
+
+
+def shortest_completion(matcher: xgr.GrammarMatcher) -> str | None:
+    """A short text that completes the grammar from the matcher's state (None: none found): what
+    the grammar forces, else the first character of _tried it accepts. Not always the shortest (it opens an
+    object before it tries null), but short and always valid."""
+    m, out = matcher.fork(), []
+    while not m.is_completed():
+        if sum(map(len, out)) > _MAX_COMPLETION:
+            return None
+        forced = m.find_jump_forward_string()
+        if forced and m.accept_string(forced):
+            out.append(forced)
+            continue
+        tried = next((c for c in _tried(m) if m.accept_string(c)), None)
+        if tried is None:
+            return None
+        out.append(tried)
+    return "".join(out)
+
+
+def _tried(m: xgr.GrammarMatcher) -> str:
+    """Inside a string a space is text; outside one, without free whitespace, it is refused."""
+    if m.accept_string(" "):
+        m.rollback(1)
+        return _TRIED_IN_STRING
+    return _TRIED
+
+
+def _allow_only(mask: torch.Tensor, row: int, tokens: list[int]) -> None:
+    mask[row] = 0
+    for t in tokens:
+        bit = 1 << (t & 31)
+        mask[row, t >> 5] |= bit - (1 << 32) if bit >> 31 else bit  # int32 words: bit 31 is the sign
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -8,11 +8,13 @@ from typing import Annotated, Literal
 import httpx
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from tests.server.conftest import MODEL, start_server
+
+pytestmark = pytest.mark.slow  # a real-model server; every test generates
 
 pytest.importorskip("xgrammar")
 
@@ -117,3 +119,84 @@ def test_bad_constraints_are_400(real_server, body):
     r = httpx.post(real_server.url + "/v1/chat/completions", timeout=60,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
+
+
+class City(BaseModel):
+    name: str
+    country: str
+    population: int
+
+
+def test_the_issue_44_city_parses_greedy_in_96_tokens(client):
+    r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+                                      response_format=City, max_tokens=96, temperature=0)
+    assert isinstance(r.choices[0].message.parsed, City) and r.choices[0].finish_reason == "stop"
+
+
+class Size(BaseModel):
+    width: float
+    height: float
+
+
+class Part(BaseModel):
+    label: str
+    count: int
+
+
+# 20 schemas from unbounded pieces (no maxLength, no maxItems): the grammar's number bounds and the
+# steering near max_tokens are what make each end parsed.
+_FIELDS = {
+    "title": (str, ...), "year": (int, ...), "price": (float, ...), "kind": (Literal["book", "film", "song"], ...),
+    "tags": (list[str], ...), "grid": (list[list[int]], ...), "size": (Size, ...), "parts": (list[Part], ...),
+    "rating": (float, Field(ge=0, le=5)), "ok": (bool, ...),
+}
+
+
+def _schemas() -> list[type[BaseModel]]:
+    names = list(_FIELDS)
+    return [create_model(f"Thing{i}", **{n: _FIELDS[n] for n in (names[i % 10], names[(i * 3 + 1) % 10],
+                                                                  names[(i * 7 + 4) % 10])})
+            for i in range(20)]
+
+
+def test_20_mixed_schemas_greedy_and_sampled_all_parse(client):
+    def ask(i_model):
+        i, model = i_model
+        sampled = dict(temperature=0.9, seed=i) if i % 2 else dict(temperature=0)
+        return model, client.chat.completions.parse(
+            model=MODEL, response_format=model, max_tokens=64 + 8 * (i % 4), **sampled,
+            messages=[{"role": "user", "content": f"Describe thing {i} as JSON, with long lists."}])
+    with ThreadPoolExecutor(20) as pool:
+        replies = list(pool.map(ask, enumerate(_schemas())))
+    for model, r in replies:
+        assert isinstance(r.choices[0].message.parsed, model), r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"
+
+
+def test_maximum_and_max_items_are_never_exceeded(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["count", "share", "fruits"],
+              "properties": {"count": {"type": "integer", "maximum": 100},
+                             "share": {"type": "number", "maximum": 100},
+                             "fruits": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "f", "schema": schema, "strict": True}}
+    for i in range(6):
+        r = client.chat.completions.create(
+            model=MODEL, response_format=fmt, max_tokens=80, temperature=1.0 if i else 0, seed=i,
+            messages=[{"role": "user", "content": "How many people live in Tokyo? List ten fruits too."}])
+        obj = json.loads(r.choices[0].message.content)
+        assert obj["count"] <= 100 and obj["share"] <= 100 and len(obj["fruits"]) <= 3, obj
+
+
+def test_json_object_and_tool_arguments_end_parsed_near_max_tokens(client):
+    for max_tokens in (24, 48):
+        r = client.chat.completions.create(model=MODEL, max_tokens=max_tokens, temperature=0,
+                                           response_format={"type": "json_object"},
+                                           messages=[{"role": "user", "content": "A long JSON list of cities."}])
+        assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    tool = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "required": ["text", "scores"], "additionalProperties": False,
+        "properties": {"text": {"type": "string"}, "scores": {"type": "array", "items": {"type": "number"}}}}}}
+    r = client.chat.completions.create(model=MODEL, max_tokens=40, temperature=0, tools=[tool], tool_choice="required",
+                                       messages=[{"role": "user", "content": "Write a very long note about Rome."}])
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    assert {"text", "scores"} <= set(json.loads(r.choices[0].message.tool_calls[0].function.arguments))
