@@ -42,6 +42,7 @@ from iterserve.server.protocol import (
 )
 from iterserve.sampling_params import StructuredOutputs
 from iterserve.server import tools
+from iterserve.server.reasoning import ReasoningSplitter, split as reasoning_split
 from iterserve.server.token_text import TokenText
 
 logger = logging.getLogger("iterserve.server")
@@ -66,12 +67,21 @@ def error_response(status: int, message: str, type: str, param: str | None = Non
 
 @dataclass
 class Chat:
-    """A chat request on its way: its engine stream, prompt, sampling parameters and how a finished
-    output becomes a reply (None: plain content)."""
+    """A chat request on its way: its engine stream, prompt, sampling parameters, how a finished
+    output's text becomes a reply (None: plain content) and the reasoning parser that splits it first."""
     stream: RequestStream
     prompt: list[int]
     params: object
-    reply: Callable | None
+    reply: Callable | None  # (output, text) -> (ResponseMessage, finish_reason)
+    reasoning_parser: str | None = None
+
+    def message(self, out: RequestOutput) -> tuple[ResponseMessage, str | None]:
+        """The reply: its reasoning split off first, then tool calls parsed from the rest (the content)."""
+        reasoning, text = reasoning_split(self.reasoning_parser, out.text) if self.reasoning_parser else (None, out.text)
+        message, finish = self.reply(out, text) if self.reply else (ResponseMessage(content=text), out.finish_reason)
+        if reasoning is not None:
+            message.reasoning_content = message.reasoning = reasoning
+        return message, finish
 
 
 @dataclass
@@ -88,10 +98,11 @@ class Routes:
 def build_app(async_engine: EngineClient, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20, metrics=None,
               allowed_origins: list[str] | None = None, diagnostics: Diagnostics | None = None,
-              pooling: str = "last") -> FastAPI:
+              pooling: str = "last", reasoning_parser: str | None = None) -> FastAPI:
     """The OpenAI app over an engine client (server/engine_client.py), checked here. `metrics`: what
     /metrics renders; by default a ServerMetrics fed by the client's on_step. A caller that passes its
-    own (the Ray ingress: ClusterMetrics) feeds it itself. `pooling`: how /v1/embeddings pools."""
+    own (the Ray ingress: ClusterMetrics) feeds it itself. `pooling`: how /v1/embeddings pools;
+    `reasoning_parser`: how chat replies' reasoning is split off (server/reasoning.py)."""
     check_engine_client(async_engine)
     if metrics is None:
         metrics = ServerMetrics(served_model_name)
@@ -272,21 +283,22 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
             raise ApiError(400, str(e)) from e
         check_context(prompt, params)
         stream = await start(prompt, params, body.priority, body.cache_salt)
-        reply = (lambda out: _tool_reply(out, tool_list, choice, body.parallel_tool_calls)) if tool_list else None
-        return Chat(stream, prompt, params, reply)
+        reply = (lambda out, text: _tool_reply(text, out, tool_list, choice, body.parallel_tool_calls)) \
+            if tool_list else None
+        # a grammar holds from the first token, so a constrained reply has no reasoning to split off
+        return Chat(stream, prompt, params, reply, reasoning_parser if params.structured_outputs is None else None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         chat = await start_chat(body)
-        stream, params, reply = chat.stream, chat.params, chat.reply
+        stream, params = chat.stream, chat.params
         created, model = int(time.time()), served_model_name
         if body.stream:
-            return _SSEResponse([stream], _chat_chunks(stream, created, model, body.include_usage, token_text,
-                                                       params.n, reply))
+            return _SSEResponse([stream], _chat_chunks(chat, created, model, body.include_usage, token_text))
         outs = (await _collect([stream], request))[0]
         choices = []
         for out in outs:
-            message, finish = reply(out) if reply else (ResponseMessage(content=out.text), out.finish_reason)
+            message, finish = chat.message(out)
             choices.append(ChatChoice(index=out.index, message=message, finish_reason=finish,
                                       logprobs=_chat_logprobs(out.logprobs, out.token_ids, token_text)
                                       if params.logprobs is not None else None))
@@ -515,18 +527,22 @@ def _completion_choice(index: int, out: RequestOutput, body: CompletionRequest, 
                             finish_reason="length" if body.echo_only else out.finish_reason, prompt_logprobs=plp)
 
 
-def _tool_reply(out: RequestOutput, tool_list: list[dict], choice, parallel: bool) -> tuple[ResponseMessage, str | None]:
-    """The reply as content and parsed tool calls; finish_reason tool_calls when there are calls."""
-    content, calls = tools.parse_reply(out.text, tool_list, choice, parallel)
+def _tool_reply(text: str | None, out: RequestOutput, tool_list: list[dict], choice,
+                parallel: bool) -> tuple[ResponseMessage, str | None]:
+    """The reply's text as content and parsed tool calls; finish_reason tool_calls when there are calls."""
+    content, calls = tools.parse_reply(text or "", tool_list, choice, parallel)
     if not calls:
         return ResponseMessage(content=content), out.finish_reason
     return ResponseMessage(content=content, tool_calls=[ToolCall(**c) for c in calls]), "tool_calls"
 
 
-def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage: bool,
-                 token_text: TokenText, n: int, reply=None) -> AsyncIterator[str]:
-    """With tools (reply given), a choice's text is held until it ends, then sent as its content
-    or as one tool_calls delta per call: a call is only known to be one once its tag closes."""
+def _chat_chunks(chat: Chat, created: int, model: str, include_usage: bool,
+                 token_text: TokenText) -> AsyncIterator[str]:
+    """With tools (chat.reply given), a choice's text is held until it ends, then sent as its content
+    or as one tool_calls delta per call: a call is only known to be one once its tag closes. With a
+    reasoning parser, each delta's text is split into reasoning and content as it comes."""
+    stream, n, reply = chat.stream, chat.params.n, chat.reply
+
     def response(choices, usage=None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=choices, usage=usage)
 
@@ -540,18 +556,25 @@ def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage:
         frames = _Frames(lambda i: response([ChatChunkChoice(index=i, delta=DeltaMessage(content=_SENTINEL))]))
         sent_lp: dict[int, int] = {}
         final: dict[int, RequestOutput] = {}
+        splitters: dict[int, ReasoningSplitter] = {}  # per choice
         async for out in stream:
             _check_error(out)
             final[out.index] = out
             lp = _new_logprobs(out, out.index, sent_lp, _chat_logprobs, token_text)
             if reply is not None:
                 if out.finished:
-                    message, finish = reply(out)
+                    message, finish = chat.message(out)
                     calls = [ToolCallDelta(index=j, **c.model_dump()) for j, c in enumerate(message.tool_calls or [])]
-                    yield chunk(out.index, DeltaMessage(content=message.content, tool_calls=calls or None))
+                    yield chunk(out.index, DeltaMessage(content=message.content, tool_calls=calls or None,
+                                                        reasoning_content=message.reasoning, reasoning=message.reasoning))
                     yield chunk(out.index, DeltaMessage(), finish)
                 continue
-            if out.new_text and lp is None:
+            if chat.reasoning_parser is not None:
+                r, c = _split_delta(splitters, chat.reasoning_parser, out)
+                if r or c or lp:
+                    yield chunk(out.index, DeltaMessage(content=c or None, reasoning_content=r or None,
+                                                        reasoning=r or None), logprobs=lp)
+            elif out.new_text and lp is None:
                 yield frames[out.index](out.new_text)
             elif out.new_text or lp:
                 yield chunk(out.index, DeltaMessage(content=out.new_text), logprobs=lp)
@@ -560,6 +583,16 @@ def _chat_chunks(stream: RequestStream, created: int, model: str, include_usage:
         if include_usage and final:
             yield _sse(response([], _usage(list(final.values()))))
     return _stream_errors_as_events(chunks())
+
+
+def _split_delta(splitters: dict[int, ReasoningSplitter], parser: str, out: RequestOutput) -> tuple[str, str]:
+    """This output's new text as (reasoning, content), and what its choice's splitter held once it ends."""
+    splitter = splitters.setdefault(out.index, ReasoningSplitter(parser))
+    reasoning, content = splitter.feed(out.new_text)
+    if out.finished:
+        r, c = splitter.finish()
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
 
 
 def _completion_logprobs(logprobs, token_ids: list[int], token_text: TokenText) -> CompletionLogprobs:

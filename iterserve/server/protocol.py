@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from iterserve.sampling_params import SamplingParams, StructuredOutputs
 
@@ -329,7 +329,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
-class ResponseMessage(BaseModel):
+class _Reasoning(BaseModel):
+    """A reply's reasoning (serve --reasoning-parser), under vLLM's older and newer names; left out of the
+    body when there is none, so a server without a parser answers as before."""
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_reasoning(self, handler):
+        data = handler(self)
+        if data.get("reasoning_content") is None and data.get("reasoning") is None:
+            data.pop("reasoning_content", None)
+            data.pop("reasoning", None)
+        return data
+
+
+class ResponseMessage(_Reasoning):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
@@ -355,7 +370,7 @@ class ToolCallDelta(ToolCall):
     index: int
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Reasoning):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None

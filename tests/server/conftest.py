@@ -58,10 +58,11 @@ class Server:
 def start_server(engine: Engine, api_key: str | None = None, max_request_bytes: int = 1 << 20,
                  max_waiting_requests: int | None = None, model: str = MODEL,
                  request_timeout: float | None = None, allowed_origins: list[str] | None = None,
-                 diagnostics=None) -> Server:
+                 diagnostics=None, **app_kwargs) -> Server:
+    """app_kwargs: build_app's other options (pooling, reasoning_parser)."""
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, request_timeout=request_timeout)
     app = build_app(async_engine, model, api_key=api_key, max_request_bytes=max_request_bytes,
-                    allowed_origins=allowed_origins, diagnostics=diagnostics)
+                    allowed_origins=allowed_origins, diagnostics=diagnostics, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # our own socket: a free port with no race
