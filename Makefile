@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve generate test bench soak clean
+.PHONY: setup serve generate test test-fast bench soak clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,10 @@ generate: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# everything but the tests marked slow: under 2 minutes on 2 cores (CI runs `make test`)
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
 	$(VENV)/bin/iterserve bench --targets continuous,static,hf-static --num-requests 128 --prompt-len 128 \

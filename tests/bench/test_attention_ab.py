@@ -11,6 +11,8 @@ import torch
 from iterserve.model import cpu_kernels
 from tests.bench import load_benchmark
 
+pytestmark = pytest.mark.slow  # builds the kernels twice
+
 ROOT = Path(__file__).parents[2]
 ab = load_benchmark("attention_ab")
 

@@ -23,6 +23,7 @@ def test_paths_name_one_folder_per_shape(tmp_path):
     assert p.of("q4_k_m") == tmp_path / "8b" / "8b.Q4_K_M.gguf"
 
 
+@pytest.mark.slow
 def test_the_safetensors_file_holds_every_tensor_in_bf16(tiny_hf):
     from safetensors import safe_open
     with safe_open(tiny_hf / "model.safetensors", "pt") as f:
@@ -35,6 +36,7 @@ def test_the_safetensors_file_holds_every_tensor_in_bf16(tiny_hf):
     assert torch.equal(got["model.norm.weight"], torch.ones(64, dtype=torch.bfloat16))
 
 
+@pytest.mark.slow
 def test_transformers_loads_the_directory_with_the_shape(tiny_hf):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_hf, dtype=torch.float32)
@@ -47,6 +49,7 @@ def test_transformers_loads_the_directory_with_the_shape(tiny_hf):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.slow
 def test_iterserve_loads_and_generates(tiny_hf, monkeypatch):
     from iterserve import LLM, SamplingParams
     from iterserve.model.loader import load_model_arch

@@ -4,11 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from iterserve.model import cpu_kernels
 
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "perplexity.py"
 
 
+@pytest.mark.slow
 def test_modes_side_by_side(default_model_path):
     modes = ["float32", "w8a8" if cpu_kernels.linear_int8_supported() else "int8"]
     done = subprocess.run([sys.executable, str(SCRIPT), "--modes", ",".join(modes), "--chunks", "2", "--chunk-len",

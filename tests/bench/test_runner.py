@@ -71,6 +71,7 @@ def test_replay_gives_the_same_token_counts(tmp_path):
     assert counts(a) == counts(b)
 
 
+@pytest.mark.slow
 def test_report_json_and_plots(tmp_path):
     results = run_targets(_trace(), ["continuous", "static"], {"max_num_seqs": 8}, engine_factory=_factory)
     report = build_report({"x": 1}, results, Slo(ttft=1.0))
@@ -118,6 +119,7 @@ def test_http_target_times_sse_chunks():
 # ---------------------------------------------------------------- the real engine
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_real_engine(tmp_path, default_model_path, capsys):
     """Both modes of the real engine on the default model, through the command line (one model
     load, shared by the two engines)."""
@@ -141,6 +143,7 @@ def test_cli_end_to_end_real_engine(tmp_path, default_model_path, capsys):
     assert (tmp_path / "plots" / "timeline_static.png").exists()
 
 
+@pytest.mark.slow
 def test_sweep_prints_throughput_against_latency(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "shared_model_engines", lambda: _factory)
     argv = ["--targets", "continuous,static", "--num-requests", "24", "--prompt-len", "16", "--output-mean", "16",

@@ -7,6 +7,8 @@ from iterserve.executor.model_runner import ModelRunner
 from iterserve.model.cpu_decode import PARTS
 from tests.bench import load_benchmark
 
+pytestmark = pytest.mark.slow
+
 step_time = load_benchmark("step_time")
 
 

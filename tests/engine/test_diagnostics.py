@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
+
 from iterserve.bench.workload import LengthDist, make_trace, materialize_prompts
 from iterserve.config import EngineConfig
 from iterserve.engine.diagnostics import Capacity, Diagnostics, Slo, Thresholds
@@ -99,6 +101,7 @@ def test_overload_fires_and_the_recommended_replicas_clear_it():
     assert "overload" not in wider
 
 
+@pytest.mark.slow
 def test_tpot_slo_missed_fires_with_a_simulated_max_num_seqs_that_meets_it():
     base = {"max_num_seqs": 128, "num_kv_blocks": 8192, "max_num_batched_tokens": 2048}
     tr = trace(300, 400, 150, rate=30.0, sigma=0.5)
@@ -158,6 +161,7 @@ def test_the_engine_thread_work_is_two_appends():
     assert len(w.steps) == 8 and len(w.finished) == 4
 
 
+@pytest.mark.slow
 def test_ttft_slo_missed_for_want_of_seats_gets_more_seats_that_meet_it():
     base = {"max_num_seqs": 4, "num_kv_blocks": 4096}
     tr = trace(160, 64, 64, 12.0)
@@ -171,6 +175,7 @@ def test_ttft_slo_missed_for_want_of_seats_gets_more_seats_that_meet_it():
     assert "slo_ttft" not in fixed and "overload" not in fixed
 
 
+@pytest.mark.slow
 def test_a_ttft_slo_no_setting_can_meet_says_so():
     """Far past capacity, with the KV pool full too: no seat count or token budget helps; the what-if says so."""
     fired, _, _ = drive({"max_num_seqs": 8, "num_kv_blocks": 48}, trace(60, 64, 64, 40.0), Slo(ttft=0.2), every=2.0)

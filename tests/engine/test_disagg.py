@@ -75,6 +75,7 @@ def generate_pd(runners, prompts, connector, one_at_a_time=False, **config):
     return [results[str(i)] for i in range(len(prompts))], prefill, decode
 
 
+@pytest.mark.slow
 def test_one_at_a_time_token_identical_to_colocated(runners, prompts):
     colocated, _ = generate(runners[0], prompts, one_at_a_time=True, num_tokens=NEW_TOKENS)
     pd, prefill, decode = generate_pd(runners, prompts, ShmConnector(), one_at_a_time=True)
@@ -84,6 +85,7 @@ def test_one_at_a_time_token_identical_to_colocated(runners, prompts):
     assert all(len(t) == NEW_TOKENS for t, _ in pd)
 
 
+@pytest.mark.slow
 def test_batched_close_and_decode_side_never_prefills(runners, prompts):
     colocated, _ = generate(runners[0], prompts, num_tokens=NEW_TOKENS)
     pd, _, decode = generate_pd(runners, prompts, ShmConnector())
@@ -101,6 +103,7 @@ def test_decode_side_prefix_cache_learns_the_sent_hashes(runners, prompts):
         assert num_cached == len(p) // bs * bs > 0
 
 
+@pytest.mark.slow
 def test_failed_transfer_is_recomputed_with_the_same_tokens(runners, prompts):
     colocated, _ = generate(runners[0], prompts, one_at_a_time=True, num_tokens=NEW_TOKENS)
     pd, _, decode = generate_pd(runners, prompts, LossyConnector(), one_at_a_time=True)

@@ -109,16 +109,19 @@ def single(runner_fp32, prompts):
     return generate(runner_fp32, prompts, one_at_a_time=True)[0]
 
 
+@pytest.mark.slow
 def test_one_at_a_time_matches_transformers(single, reference):
     assert_close_all(single, reference(single))
 
 
+@pytest.mark.slow
 def test_batched_matches(runner_fp32, prompts, single, reference):
     batched, _ = generate(runner_fp32, prompts)
     assert_close_all(batched, reference(batched))
     assert_close_all(batched, single)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_matches(runner_fp32, prompts, single, reference):
     chunked, engine = generate(runner_fp32, prompts, max_num_batched_tokens=48)
     assert max(r.num_batched_tokens for r in engine.step_records) <= 48
@@ -127,6 +130,7 @@ def test_chunked_prefill_matches(runner_fp32, prompts, single, reference):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.slow
 def test_preempted_matches(runner_fp32, prompts, single, reference, mode):
     preempted, engine = generate(runner_fp32, prompts, num_kv_blocks=22, preemption_mode=mode)
     assert engine.stats.num_preemptions > 0, "the pool was meant to force preemption"
@@ -134,6 +138,7 @@ def test_preempted_matches(runner_fp32, prompts, single, reference, mode):
     assert_close_all(preempted, single)
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_give_the_same_tokens(runner_fp32, prompts, single):
     n = len(prompts)  # the second round runs after the first has freed (and cached) its blocks
     engine_outputs, engine = generate(runner_fp32, prompts + prompts, groups=[list(range(n)), list(range(n, 2 * n))])
@@ -148,6 +153,7 @@ def argmax_misses(a, b) -> int:
 
 
 @pytest.mark.parametrize("fused_ops", [True, False])
+@pytest.mark.slow
 def test_bfloat16_is_as_close_to_float32_as_transformers_bf16(prompts, reference_bf16, reference, fused_ops):
     """Logprob-close to transformers in bf16 and in float32 for 8 tokens, and over all 32 tokens about as
     far from float32 as transformers' own bf16 is (at most twice as many positions off): at each position, both teacher-forced on our

@@ -12,6 +12,8 @@ from iterserve.model.loader import load_model_arch, load_weights
 from iterserve.sampling_params import SamplingParams
 from tests.model.test_llama import tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # transformers' model beside the engine
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

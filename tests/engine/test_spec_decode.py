@@ -174,6 +174,7 @@ QUANTIZATIONS = [None, pytest.param("w8a8", marks=needs_int8)]
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
+@pytest.mark.slow
 def test_default_model_greedy_tokens_equal_with_speculation(default_model_path, tokenizer, quantization):
     """The shipped model in its default dtype (and w8a8, whose int8 activation codes turn on a last bit):
     one request past 512 positions (the decode kernel cuts its context into slices), one short, batched.
@@ -249,6 +250,7 @@ def default_runner(default_model_path) -> ModelRunner:
     return ModelRunner(EngineConfig(dtype="float32", num_kv_blocks=256, num_threads=1))
 
 
+@pytest.mark.slow
 def test_reference_prompts_greedy_tokens_equal_with_speculation(default_runner, tokenizer):
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     prompts = [ids[7 * i: 7 * i + n] for i, n in enumerate(PROMPT_LENS)]

@@ -39,6 +39,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *words: str) -> N
     (["generate", "--prompt", "hi", "--max-model-len", "100000"], ["max_model_len 100000", "8192"]),
     (["serve", "--kv-cache-memory", "lots"], ["cannot read a byte size"]),
 ])
+@pytest.mark.slow
 def test_user_mistakes_get_one_line(args, words):
     assert_one_line_error(run_cli(*args), *words)
 

@@ -86,12 +86,14 @@ def report(default_model_path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_triton_backend_greedy_equals_torch(report):
     assert max(report["prompt_lens"]) > 16, "the long prompt must be chunked"
     assert report["got"] == report["want"]
     assert [len(t) for t in report["got"]] == MAX_TOKENS
 
 
+@pytest.mark.slow
 def test_decode_steps_take_the_padded_graph_path(report):
     calls = [tuple(c) for c in report["graph_calls"]]
     assert (4, 4) in calls and (3, 4) in calls, calls  # full bucket, and one padding row

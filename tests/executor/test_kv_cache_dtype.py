@@ -26,6 +26,8 @@ from tests.engine.test_greedy_reference import assert_close_all, generate
 from tests.engine.test_greedy_reference import prompts  # noqa: F401  (the engine's reference prompts)
 from tests.server.conftest import metric, start_server
 
+pytestmark = pytest.mark.slow  # real engines, side by side
+
 CONFIG = dict(dtype="float32", kv_cache_memory="8MiB", swap_space="2MiB")
 N = 16  # new tokens per prompt
 

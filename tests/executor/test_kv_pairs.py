@@ -21,8 +21,8 @@ from tests.engine.test_greedy_reference import prompts  # noqa: F401  (the engin
 from tests.executor.test_kv_cache_dtype import prompt_logprobs
 from tests.executor.test_kv_cache_dtype import tiny_model  # noqa: F401  (head_dim 64, 4 heads on 2 kv heads)
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.pairs_supported(64, 16, 4),
-                                reason="the pair layout needs the AVX-512 BF16 decode kernel")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not cpu_kernels.pairs_supported(64, 16, 4),
+                                                   reason="the pair layout needs the AVX-512 BF16 decode kernel")]
 
 CONFIG = dict(dtype="bfloat16", kv_cache_memory="8MiB", swap_space="2MiB")
 N = 16  # new tokens per prompt

@@ -65,6 +65,7 @@ def test_the_pool_may_fault_in_huge_pages():
 
 
 @pytest.mark.skipif(not transparent_huge_pages(), reason="transparent huge pages are not in madvise mode here")
+@pytest.mark.slow
 def test_the_engines_pool_is_advised_after_its_start_up_measurement():
     """Advised after the start-up measurement, whose blocks stay on small pages (2 x layers huge ones
     would be first touched at every start); the host swap pool never is. (The measurement ran a step

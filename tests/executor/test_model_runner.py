@@ -67,6 +67,7 @@ def prompts(tokenizer) -> list[list[int]]:
     return [[1, 504, 3458], list(chat), tokenizer.encode(text)[:300]]
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(runner, hf_reference_model, tokenizer):
     for i, p in enumerate(prompts(tokenizer)):
         s = Seq(f"r{i}", p, 0)
@@ -79,6 +80,7 @@ def test_logits_match_transformers(runner, hf_reference_model, tokenizer):
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.slow
 def test_greedy_matches_transformers(runner, hf_reference_model, tokenizer, chunk):
     """Prefill whole or in chunks, then decode; the other prompts run alongside in the same steps."""
     ps = prompts(tokenizer)
@@ -137,6 +139,7 @@ def test_attributes(runner):
     assert runner.kv_cache.shape == (30, 2, 128, BS, 3, 64)
 
 
+@pytest.mark.slow
 def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(runner, monkeypatch):
     """The default on a CPU without bf16 instructions (where the kernels build): half float32's bytes
     per step and per cached token, float32 arithmetic; greedy tokens as the float32 runner's here."""

@@ -30,6 +30,8 @@ from tests.engine.test_greedy_reference import PROMPT_LENS, TEXT, assert_close_a
 from tests.model.test_cpu_linear import needs_int8
 from tests.server.conftest import MODEL, start_server, wait_for
 
+pytestmark = pytest.mark.slow  # every test starts rank processes
+
 CACHE = dict(dtype="float32", num_kv_blocks=128, swap_space="4MiB")
 TEXTS = ["The capital of France is", "One, two, three, four,", "Once upon a time"]
 

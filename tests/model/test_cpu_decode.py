@@ -48,6 +48,7 @@ WEIGHT_ONLY = [pytest.param(dtype, kv, mode, marks=needs_weight_only)
 @pytest.mark.parametrize("dtype,kv,quantization", [("float32", "auto", None), ("bfloat16", "auto", None),
                                                    ("bf16-storage", "bfloat16", None), ("bfloat16", "int8", None),
                                                    ("bf16-storage", "int8", None), W8A8, *WEIGHT_ONLY])
+@pytest.mark.slow
 def test_decode_steps_in_c_give_the_python_loops_logits_and_cache(tmp_path, family, dtype, kv, quantization,
                                                                   monkeypatch):
     build_checkpoint(tmp_path, family)

@@ -167,6 +167,7 @@ def test_engine_greedy_tokens_equal_with_the_kernel_and_with_onednn(tiny, monkey
     assert on == off
 
 
+@pytest.mark.slow
 def test_without_cpu_kernels_the_engine_runs_on_onednn_weights(tiny):
     """ITERSERVE_CPU_KERNELS=0 (read once per process): a fresh interpreter, the same greedy tokens."""
     code = ("import json, sys; from tests.model.test_cpu_linear import greedy_tokens, PROMPTS; "

@@ -56,6 +56,7 @@ def test_this_machine_runs_what_cpu_paths_says():
     assert pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if paths.bf16_arithmetic else torch.float32)
 
 
+@pytest.mark.slow
 def test_iterserve_env_prints_the_paths():
     out = subprocess.run([sys.executable, "-m", "iterserve.cli", "env", "--json"], capture_output=True, text=True,
                          timeout=120, check=True).stdout
@@ -98,6 +99,7 @@ def test_amx_keeps_a_nan_in_its_row():
 
 @pytest.mark.skipif(cpu_kernels.linear_weight_only_supported() or cpu_kernels.linear_weight_only_supported(
     ("-mno-avx512f",)) is False, reason="this CPU runs the weight-only panels natively (the tests run there)")
+@pytest.mark.slow
 def test_a_wider_cpu_runs_the_avx2_paths_under_a_cap():
     """On an AVX-512 CPU the decode loop's weight-only int8/int4 cases skip (their panels are the AVX2
     build's): ITERSERVE_CPU_ISA=avx2 runs them here as a Zen 3 would, and cpu_paths says avx2."""

@@ -87,6 +87,7 @@ def run(path: str, dtype: str, prompts):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_family_matches_transformers(tmp_path, family, prompts):
     hf = build_checkpoint(tmp_path / "hf", family)
     ours = run(str(tmp_path / "hf"), "float32", prompts)

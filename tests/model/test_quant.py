@@ -163,6 +163,7 @@ W8A8 = pytest.param("w8a8", marks=needs_int8)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", W8A8])
+@pytest.mark.slow
 def test_quantized_engine_is_close_to_float32(mode, prompt_ids, float32_outputs):
     runner = ModelRunner(EngineConfig(quantization=mode, num_kv_blocks=64))
     ours = greedy(runner, prompt_ids)

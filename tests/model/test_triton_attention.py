@@ -202,6 +202,7 @@ def interpreter_results() -> dict[str, str | None]:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_kernel_case(name: str, interpreter_results: dict[str, str | None]) -> None:
     assert interpreter_results[name] is None, interpreter_results[name]
 

@@ -174,6 +174,7 @@ def panels_of(runner: ModelRunner) -> list[torch.Tensor]:
 
 @needs_panels
 @pytest.mark.parametrize("dtype", ["float32", "bf16-storage", "bfloat16"])
+@pytest.mark.slow
 def test_a_warm_start_maps_the_panels_a_cold_start_packed(gguf, cache, monkeypatch, dtype):
     """bfloat16 arithmetic takes panels where the CPU lacks native bf16 (plain) or has AVX-512 BF16 (pairs)."""
     layout = {"float32": "plain", "bf16-storage": "plain", "bfloat16": panel_layout(torch.bfloat16)}[dtype]

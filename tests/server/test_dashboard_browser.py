@@ -37,6 +37,7 @@ def chromium(browser: str, tmp_path, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_dashboard_shows_the_running_requests(tokenizer, tmp_path):
     browser = find_chromium()
     engine = fake_engine(tokenizer, step_delay=0.03, max_num_seqs=12, num_kv_blocks=40)

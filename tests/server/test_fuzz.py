@@ -48,6 +48,7 @@ def _schema(tokenizer):
     return schemathesis.openapi.from_dict(build_app(AsyncEngine(fake_engine(tokenizer)), MODEL).openapi())
 
 
+@pytest.mark.slow
 def test_fuzz_every_route_from_the_openapi_schema(fast_server, tokenizer):
     schema = _schema(tokenizer)
     seen = []

@@ -59,6 +59,7 @@ def evaluate(model: str, model_args: dict, task: str, tasks_dir: str, **kwargs) 
                                    task_manager=TaskManager(include_path=tasks_dir), **kwargs)
 
 
+@pytest.mark.slow
 def test_multiple_choice_through_local_completions_scores_like_the_hf_backend(server, tiny_model_dir, tasks):
     ours = evaluate("local-completions", {"base_url": server.base_url + "/completions", "model": MODEL,
                                           "tokenizer": tiny_model_dir, "tokenizer_backend": "huggingface",
@@ -73,6 +74,7 @@ def test_multiple_choice_through_local_completions_scores_like_the_hf_backend(se
         assert max(abs(x - y) for x, y in zip(a[doc], b[doc])) < 0.05, (doc, a[doc], b[doc])
 
 
+@pytest.mark.slow
 def test_generate_until_through_local_chat_completions_with_concurrent_prompts(server, tiny_model_dir, tasks):
     r = evaluate("local-chat-completions", {"base_url": server.base_url + "/chat/completions", "model": MODEL,
                                              "num_concurrent": 6, "max_retries": 1}, "iterserve_gen", tasks,

@@ -96,6 +96,7 @@ def real_client(default_model_path):
     server.stop()
 
 
+@pytest.mark.slow
 def test_seeded_n_gives_distinct_reproducible_choices_on_the_real_model(real_client):
     kwargs = dict(model=MODEL, prompt="My favourite animal is the", max_tokens=6, n=3, temperature=1.0, seed=1234,
                   extra_body={"ignore_eos": True})
@@ -115,6 +116,7 @@ def test_seeded_n_gives_distinct_reproducible_choices_on_the_real_model(real_cli
     assert [c.index for c in chat.choices] == [0, 1, 2] and 3 <= chat.usage.completion_tokens <= 18
 
 
+@pytest.mark.slow
 def test_llm_generate_and_chat_return_n_outputs_per_prompt(default_model_path):
     """Regression: LLM.generate with n=2 raised KeyError and left requests in the engine."""
     from iterserve.llm import LLM

@@ -94,6 +94,7 @@ def test_front_routes_keep_each_stream_in_order_and_a_death_ends_only_its_reques
     assert all(v == 0 for v in counts.values()), counts
 
 
+@pytest.mark.slow
 def test_1p1d_dist_token_identical_to_colocated(prompts):
     colocated, _ = generate(ModelRunner(EngineConfig(**CONFIG)), prompts, one_at_a_time=True, num_tokens=NEW_TOKENS)
     pd = PDEngines(CONFIG, "dist", port=free_port())
@@ -105,6 +106,7 @@ def test_1p1d_dist_token_identical_to_colocated(prompts):
     assert not any(p.is_alive() for p in pd.procs.values())
 
 
+@pytest.mark.slow
 def test_2p1d_token_identical_and_prefill_engine_by_prefix_affinity(prompts, reference_prompts):
     """2P1D over shared memory: the colocated tokens; then a prompt goes to the prefill engine that
     computed its prefix, and a new prefix to the least-loaded one."""
@@ -133,6 +135,7 @@ def test_2p1d_token_identical_and_prefill_engine_by_prefix_affinity(prompts, ref
     assert not any(p.is_alive() for p in pd.procs.values())
 
 
+@pytest.mark.slow
 def test_decode_engine_killed_mid_stream_ends_only_its_requests(prompts):
     """1P2D: the two requests go to different decode engines (least KV usage, a tie spread by what is
     in flight); killing one decode engine ends its request alone, and later requests avoid it."""
@@ -165,6 +168,7 @@ def test_decode_engine_killed_mid_stream_ends_only_its_requests(prompts):
         pd.close()
 
 
+@pytest.mark.slow
 def test_async_engine_streams_1p1d_with_text(prompts):
     """What `iterserve serve --pd 1P1D` runs: the AsyncEngine driving both processes as one engine."""
     import asyncio

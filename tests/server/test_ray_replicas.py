@@ -23,7 +23,7 @@ from tests.server.conftest import wait_for  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = "test-model"
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # slow: Ray starts
 
 
 class SlowFakeExecutor(FakeExecutor):

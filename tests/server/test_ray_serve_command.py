@@ -37,6 +37,7 @@ def raylet_pids() -> set[int]:
     return {int(p) for p in out.split()}
 
 
+@pytest.mark.slow
 def test_serve_data_parallel_two_replicas_then_sigterm(tiny_model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,6 +26,7 @@ def client(real_server):
     return openai.OpenAI(base_url=real_server.base_url, api_key="unused", max_retries=0, timeout=300)
 
 
+@pytest.mark.slow
 def test_completion_greedy_streamed_equals_whole(client, tokenizer):
     prompt = "The capital of France is"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
@@ -79,6 +80,7 @@ def test_prompt_longer_than_context_is_400(real_server):
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_penalties_bias_and_min_tokens_steer_the_real_model(client, tokenizer):
     prompt = "One, two, one, two, one, two,"
     kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.conftest import MODEL, wait_for
 
@@ -34,6 +35,7 @@ def _stream(url: str, max_tokens: int, events: list, started: threading.Event) -
     started.set()
 
 
+@pytest.mark.slow
 def test_sigterm_drains_within_the_limit_then_exits(tmp_path):
     port_file, log = tmp_path / "port", open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "tests.server.fake_serve", str(port_file), str(SHUTDOWN_TIMEOUT)],

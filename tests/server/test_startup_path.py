@@ -34,6 +34,7 @@ print(json.dumps({"type": type(tok).__name__, "text": d.text, "piece": TokenText
 """
 
 
+@pytest.mark.slow
 def test_a_warm_start_imports_no_transformers(default_model_path, tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("ITERSERVE_WEIGHT_CACHE", str(tmp_path))
     monkeypatch.setattr(loader, "load_tokenizer", lambda path: tokenizer)  # the entry, written as a cold start does
@@ -53,6 +54,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 def test_serve_starts_and_serves_through_the_serving_tokenizer(default_model_path, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -73,6 +73,7 @@ def check_call(call) -> dict:
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.slow
 def test_round_trip_with_the_openai_client(client, stream):
     kw = dict(model=MODEL, tools=TOOLS, max_tokens=80, temperature=0, parallel_tool_calls=False)
     if stream:
@@ -94,6 +95,7 @@ def test_round_trip_with_the_openai_client(client, stream):
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
 
+@pytest.mark.slow
 def test_required_and_named_always_match_the_schema(client):
     questions = ["Weather in Rome?", "What time is it in Tokyo?", "Is it raining in Oslo?", "Hello!"]
     for i, q in enumerate(questions):

@@ -98,6 +98,7 @@ def test_mixed_points_fit_the_mixed_overheads_and_leave_the_rest_alone():
     assert fitted.mixed_seq_overhead_s == pytest.approx(0.003, rel=0.3)
 
 
+@pytest.mark.slow
 def test_neighbour_flag_takes_one_point_and_a_dead_neighbour_is_named(tmp_path, capsys):
     from iterserve.sim.calibrate import main as calibrate_main, neighbour
     with pytest.raises(SystemExit):
@@ -114,6 +115,7 @@ def test_neighbour_flag_takes_one_point_and_a_dead_neighbour_is_named(tmp_path, 
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow
 def test_kv_handoff_is_timed_through_the_shared_memory_transport():
     """The runner's own block read and the shm connector, to a second process that writes the blocks
     into a pool of its own: both directions are timed."""

@@ -83,6 +83,7 @@ def test_each_engine_waits_for_its_own_hand_off_copies():
     assert HW.kv_send_bandwidth is None and HW.kv_receive_bandwidth is None  # the GPU presets: free
 
 
+@pytest.mark.slow
 def test_compare_reports_goodput_per_device_for_colocated_and_each_split():
     slo = Slo(ttft=0.5, tpot=0.05)
     rows = compare(factory([]), trace_at, [(1, 1)], HW.interconnect_bandwidth, slo)
@@ -91,6 +92,7 @@ def test_compare_reports_goodput_per_device_for_colocated_and_each_split():
         assert r["goodput_per_device"] > 0 and r["slo_attainment"] >= 0.9
 
 
+@pytest.mark.slow
 def test_cli(capsys):
     assert simulate_main(["--pd", "1P1D", "--num-requests", "30", "--prompt-len", "200", "--output-mean", "16",
                           "--slo-ttft", "0.5", "--slo-tpot", "0.05"]) == 0
