@@ -258,6 +258,7 @@ def build_llama_cpp(peers: Path) -> tuple[Path, Path]:
     server, quantize = build / "bin" / "llama-server", build / "bin" / "llama-quantize"
     if server.exists() and quantize.exists():
         return server, quantize
+    peers.mkdir(parents=True, exist_ok=True)  # model_shapes.py calls this on a machine that has no peers yet
     log = peers / "llama-build.log"
     print(f"building llama.cpp into {build} (log: {log}); this takes a while on few cores", flush=True)
     if not (src / "CMakeLists.txt").exists():

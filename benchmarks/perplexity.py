@@ -6,10 +6,12 @@
 What quantization costs in quality, as llama.cpp's `llama-perplexity` reports it: the text is cut into
 --chunks windows of --chunk-len tokens, each is a prompt of its own (teacher forcing through
 `prompt_logprobs`), and the perplexity is exp of the mean negative log-likelihood of every token after
-each window's first. Modes: a --dtype (float32, bfloat16, auto, ...) or a --quantization (int8, int4,
-w8a8), the latter in the default dtype. The default text is the installed torch's `nn/modules` sources
-(English comments and Python, the same bytes wherever torch==2.13.0 is installed); compare the modes
-of one run, not figures across texts or models.
+each window's first. Modes: a --dtype (float32, bfloat16, auto, ...; a quantized GGUF dequantized to
+floats), a --quantization (int8, int4, w8a8) in the default dtype, or `native`: a quantized GGUF served
+from its own codes (`--quantization auto`; docs/models.md). The shipped Q4_1 model is served from its codes
+by `int4`; a Q4_K_M file (gemma3-270m) by `native`, against `auto` for its dequantized bf16 run.
+The default text is the installed torch's `nn/modules` sources (English comments and Python, the same
+bytes wherever torch==2.13.0 is installed); compare the modes of one run, not figures across texts or models.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def main() -> None:
     chunks, base = None, None
     print(f"{'mode':<10} {'perplexity':>11} {'vs first':>9} {'tokens':>7}")
     for mode in args.modes.split(","):
-        quantization = mode if mode in QUANTIZATIONS else None
+        quantization = "auto" if mode == "native" else mode if mode in QUANTIZATIONS else None
         try:
             llm = LLM(args.model, dtype="auto" if quantization else mode, quantization=quantization,
                       max_num_seqs=8, num_kv_blocks=8 * -(-args.chunk_len // 16) + 8)
