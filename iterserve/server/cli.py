@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None, whatif_for: WhatIfFor | None = None) -> 
             fail(str(exc))
         build = lambda: serving_engines(config, args.kv_transport, x, y)  # noqa: E731
     async_engine = AsyncEngine(build, request_timeout=server.request_timeout, log_interval=server.log_interval,
-                               wait=False)
+                               max_num_queued_tokens=server.max_num_queued_tokens, wait=False)
     # the HTTP stack imports while the engine thread loads: it fits in the load's GIL-free stretches
     # (weight reads, packing, the tokenizer's Rust side)
     import uvicorn
