@@ -4,7 +4,8 @@ A request becomes a ChatCompletionRequest and runs through app.py's start_chat (
 reasoning split). Content blocks map onto chat messages: tool_use blocks are an assistant's tool_calls
 (input as JSON arguments), tool_result blocks tool messages; the reply comes back as thinking (with
 --reasoning-parser), text and tool_use blocks. Errors leave in Anthropic's shape, {"type": "error",
-"error": {"type", "message"}}, so this router validates its own bodies: an unknown field is a 400 naming it.
+"error": {"type", "message"}}: the router's route class turns ApiError and FastAPI's validation error (an
+unknown field is a 400 naming it) into that shape before the app's OpenAI-shaped handlers see them.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import json
 from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Literal, Union
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from iterserve.server.app import _STREAM_ERRORS, _UNSUPPORTED, ApiError, _collect, _SSEResponse
@@ -157,52 +160,54 @@ def _error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-def _invalid(e: ValidationError) -> JSONResponse:
+def _invalid(errors: list[dict]) -> JSONResponse:
     def one(err) -> str:
-        where = ".".join(str(x) for x in err.get("loc", ())) or "body"
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
         return f"{where}: {_UNSUPPORTED if err.get('type') == 'extra_forbidden' else err.get('msg')}"
-    return _error(400, "; ".join(one(err) for err in e.errors()[:5]))
+    return _error(400, "; ".join(one(err) for err in errors[:5]) or "invalid request body")
 
 
-async def _parse(request: Request, model: type[BaseModel]):
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as e:
-        return _invalid(e)
+class _AnthropicRoute(APIRoute):
+    """Errors in Anthropic's shape, raised while parsing the body or in the handler."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                return _invalid(e.errors())
+            except ApiError as e:
+                return _error(e.status, e.message, e.headers)
+        return route
 
 
 def router(routes: Routes) -> APIRouter:
-    api = APIRouter()
+    api = APIRouter(route_class=_AnthropicRoute)
 
     @api.post("/v1/messages")
-    async def create(request: Request):
-        body = await _parse(request, MessagesRequest)
-        if isinstance(body, JSONResponse):
-            return body
-        try:
-            chat = await routes.start_chat(_chat(body.chat))
-            if body.stream:
-                return _SSEResponse([chat.stream], _events(chat, body, routes.model))
-            out = (await _collect([chat.stream], request))[0][0]
-        except ApiError as e:
-            return _error(e.status, e.message, e.headers)
+    async def create(body: MessagesRequest, request: Request):
+        chat = await routes.start_chat(_chat(body.chat))
+        if body.stream:
+            return _SSEResponse([chat.stream], _events(chat, body, routes.model))
+        out = (await _collect([chat.stream], request))[0][0]
         message, finish = chat.message(out)
         return {"id": "msg_" + chat.stream.request_id, "type": "message", "role": "assistant", "model": routes.model,
                 "content": _blocks(message), **_stop(out, finish, body),
                 "usage": {"input_tokens": out.num_prompt_tokens, "output_tokens": len(out.token_ids)}}
 
     @api.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request):
-        body = await _parse(request, CountTokensRequest)
-        if isinstance(body, JSONResponse):
-            return body
+    async def count_tokens(body: CountTokensRequest):
+        routes.check_model(body.model)
+        if routes.engine.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer, so no chat template")
+        chat = _chat(body.chat_request)
         try:
-            routes.check_model(body.model)
-            chat = _chat(body.chat_request)
-            tool_list, _ = _values(chat.tool_mode)
-            return {"input_tokens": len(_values(lambda: routes.chat_prompt(chat.messages, tool_list)))}
-        except ApiError as e:
-            return _error(e.status, e.message, e.headers)
+            tool_list, _ = chat.tool_mode()
+            return {"input_tokens": len(routes.chat_prompt(chat.messages, tool_list))}
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
 
     return api
 
@@ -213,13 +218,6 @@ def _chat(build) -> ChatCompletionRequest:
     except ValidationError as e:
         raise ApiError(400, "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
                                       for err in e.errors()[:5])) from e
-
-
-def _values(f):
-    try:
-        return f()
-    except ValueError as e:
-        raise ApiError(400, str(e)) from e
 
 
 def _stop(out: RequestOutput, finish: str | None, body: MessagesRequest) -> dict[str, Any]:
