@@ -107,6 +107,17 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool | None = None
 
 
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = _STRICT
+    format: OutputFormat | None = None
+
+
 class CountTokensRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
@@ -139,9 +150,14 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id, for abuse tracking: nothing to do with generation
+    output_config: OutputConfig | None = None
+    cache_control: dict[str, Any] | None = None  # a hint: the prefix cache needs none
 
     def chat(self) -> ChatCompletionRequest:
-        fields = {"max_tokens": self.max_tokens, "stop": self.stop_sequences}
+        fields: dict[str, Any] = {"max_tokens": self.max_tokens, "stop": self.stop_sequences}
+        if self.output_config is not None and self.output_config.format is not None:
+            fields["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": self.output_config.format.json_schema}}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
