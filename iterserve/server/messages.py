@@ -135,7 +135,7 @@ class CountTokensRequest(BaseModel):
             fields["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                                  "parameters": t.input_schema}} for t in self.tools]
         choice = self.tool_choice
-        if choice is not None:
+        if choice is not None and (self.tools or choice.type in ("any", "tool")):  # auto or none alone: nothing
             fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
                 {"type": "function", "function": {"name": choice.name or ""}}
             fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use

@@ -174,7 +174,8 @@ def _output_items(message: ResponseMessage, finish: str | None) -> list[dict]:
     if message.reasoning:
         items.append(_reasoning_item(_new_id("rs"), message.reasoning))
     if message.content:
-        items.append(_message_item(_new_id("msg"), message.content, "incomplete" if finish == "length" else "completed"))
+        status = "incomplete" if finish == "length" else "completed"
+        items.append(_message_item(_new_id("msg"), message.content, status))
     return items + _call_items(message)
 
 

@@ -160,7 +160,7 @@ class ResponsesRequest(BaseModel):
                                for t in self.tools]
         if isinstance(self.tool_choice, FunctionChoice):
             fields["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
-        elif self.tool_choice is not None:
+        elif self.tool_choice in ("required", "auto", "none") and (self.tools or self.tool_choice == "required"):
             fields["tool_choice"] = self.tool_choice
         fmt = self.text.format if self.text else None
         if fmt is not None and fmt.type == "json_schema":

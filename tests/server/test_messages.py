@@ -67,6 +67,7 @@ def test_unknown_model_is_404_and_count_tokens_matches_tokenize(fake_server):
     tokenized = httpx.post(fake_server.url + "/tokenize", json={"messages": [
         {"role": "system", "content": "Be brief."}, *HELLO]}).json()
     assert counted == {"input_tokens": tokenized["count"]}
+    assert _post(fake_server, {"messages": HELLO, "max_tokens": 2, "tool_choice": {"type": "auto"}}).status_code == 200
 
 
 def test_stop_sequence_and_max_tokens(fake_server):

@@ -21,7 +21,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The curren
 
 def test_input_items_become_chat_messages():
     body = ResponsesRequest.model_validate({"input": [
-        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text", "text": "Rome?"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "},
+                                     {"type": "input_text", "text": "Rome?"}]},
         {"type": "message", "role": "assistant", "content": "Let me look.", "id": "msg_1", "status": "completed"},
         {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
         {"type": "reasoning", "id": "rs_1", "summary": []},
@@ -84,6 +85,7 @@ def test_stored_responses_continue_retrieve_and_delete(fake_server):
     for r in (httpx.get(f"{url}/{first['id']}"), httpx.delete(f"{url}/{first['id']}"),
               _post(fake_server, {"input": "x", "previous_response_id": first["id"]})):
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    assert _post(fake_server, {"input": "hi", "max_output_tokens": 2, "tool_choice": "auto"}).status_code == 200
     unstored = _post(fake_server, {"input": "hi", "max_output_tokens": 2, "store": False}).json()
     assert httpx.get(f"{url}/{unstored['id']}").status_code == 404
     wait_for(lambda: no_leaks(fake_server), 10, "the server did not go idle")
@@ -96,6 +98,7 @@ def test_stored_responses_continue_retrieve_and_delete(fake_server):
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": []}, None),
+    ({"input": "hi", "tool_choice": "required"}, None),  # needs tools
 ])
 def test_what_is_not_served_is_a_400_naming_it(fake_server, body, param):
     r = _post(fake_server, body)
@@ -154,7 +157,8 @@ def test_function_tool_round_trip(client):
 @pytest.mark.slow
 def test_text_format_json_schema(client):
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
-              "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}}
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "country": {"type": "string", "maxLength": 20}}}
     r = client.responses.create(model=MODEL, input="Name a city in Japan.", max_output_tokens=60,
                                 text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
     assert set(json.loads(r.output_text)) == {"city", "country"}
