@@ -42,6 +42,7 @@ def test_queued_tokens_past_the_limit_are_refused_with_429(tokenizer):
                     assert fits.status_code == 200
                 assert waiting.status_code == 200
         wait_for(lambda: no_leaks(server), 10, "the server did not go idle")
+        assert server.async_engine.engine.stats.num_queued_tokens == 0  # the aborted waiting requests left it
         alone = httpx.post(url, json={**_body(3 * LIMIT, stream=False), "max_tokens": 2}, timeout=30)
         assert alone.status_code == 200, alone.text  # nothing waiting: admitted whatever its size
     finally:
