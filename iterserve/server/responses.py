@@ -56,6 +56,10 @@ class ResponseStore:
         self.items.move_to_end(response_id)
         return stored
 
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self.items[response_id]
+
 
 def router(routes: Routes, capacity: int = 1024) -> APIRouter:
     api = APIRouter()
@@ -85,8 +89,7 @@ def router(routes: Routes, capacity: int = 1024) -> APIRouter:
 
     @api.delete("/v1/responses/{response_id}")
     async def delete(response_id: str):
-        store.get(response_id)
-        del store.items[response_id]
+        store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @api.post("/v1/responses/{response_id}/cancel")
