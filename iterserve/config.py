@@ -184,6 +184,9 @@ class ServerConfig:
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = _help(
         "split chat replies' <think>...</think> into reasoning_content (and reasoning) and content; deepseek_r1: "
         "a reply starts in reasoning, qwen3: only when it opens with <think> (docs/api.md)", default=None)
+    max_num_queued_tokens: int | None = _help(
+        "a request whose prompt would take the waiting requests' tokens past this is refused with 429 and "
+        "Retry-After (default: no limit; a request that finds none waiting is always admitted)", default=None, ge=1)
 
 
 SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig,

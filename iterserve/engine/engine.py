@@ -90,7 +90,8 @@ class Engine:
                            kv.pool.num_free_blocks, s.num_preemptions, kv.num_prefix_queries, kv.num_prefix_hits,
                            self.num_steps, s.max_model_len, self.step_records[-1] if self.step_records else None,
                            self.num_kv_transfers_recomputed, num_spec_drafts=s.num_drafts,
-                           num_spec_draft_tokens=s.num_draft_tokens, num_spec_accepted_tokens=s.num_accepted_tokens)
+                           num_spec_draft_tokens=s.num_draft_tokens, num_spec_accepted_tokens=s.num_accepted_tokens,
+                           num_queued_tokens=s.num_waiting_tokens)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

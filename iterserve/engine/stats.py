@@ -27,6 +27,7 @@ class EngineStats:
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    num_queued_tokens: int = 0  # tokens the waiting requests must compute before their next token
 
     @property
     def spec_acceptance_rate(self) -> float | None:

@@ -31,6 +31,7 @@ class Scheduler:
         self.max_model_len = min(max_model_len, self.kv.max_tokens_per_request)
         self.static = self.config.scheduling == "static"
         self.waiting: deque[Request] = deque()
+        self.num_waiting_tokens = 0  # the waiting requests' num_tokens (none computed): admission reads it
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()  # swap-preempted, resumed before any waiting request
         self.padding: list[Request] = []  # static mode: finished requests still holding their seat
@@ -53,6 +54,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.num_waiting_tokens += request.num_tokens
 
     def set_drafts(self, request: Request, drafts: list[int]) -> None:
         """Draft tokens for a decoding request's next step; the model keeps those it agrees with."""
@@ -98,6 +100,7 @@ class Scheduler:
         self.drafts.pop(request_id, None)
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+            self.num_waiting_tokens -= request.num_tokens
         elif request.status == RequestStatus.SWAPPED:
             self.swapped.remove(request)
         elif request.status == RequestStatus.RUNNING:
@@ -233,6 +236,7 @@ class Scheduler:
             if self.kv.allocate_slots(request, n, computed) is None:
                 return
             del self.waiting[i]
+            self.num_waiting_tokens -= request.num_tokens
             self.kv.mark_computing(request, computed)
             request.num_computed_tokens = num_cached
             self._start_running(request)
@@ -280,6 +284,7 @@ class Scheduler:
                 break
             self.kv.allocate_slots(request, reserved)
             self.waiting.popleft()
+            self.num_waiting_tokens -= request.num_tokens
             self._start_running(request)
 
     def _static_reservation(self, request: Request) -> int:
@@ -335,6 +340,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
+        self.num_waiting_tokens += request.num_tokens
 
     def _use_swap(self, request: Request, plan: SchedulerOutput) -> bool:
         mode = self.config.preemption_mode

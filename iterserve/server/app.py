@@ -232,8 +232,8 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
                                                   priority=priority, cache_salt=cache_salt)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
-        except QueueFullError as e:
-            raise ApiError(503, str(e), "server_overloaded", headers={"Retry-After": "1"}) from e
+        except QueueFullError as e:  # and QueuedTokensError: 429
+            raise ApiError(e.status, str(e), e.type, headers={"Retry-After": "1"}) from e
         except (EngineDeadError, ShuttingDownError) as e:
             raise ApiError(e.status, str(e), e.type) from e
 
@@ -305,9 +305,10 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
         return ChatCompletionResponse(id=stream.request_id, created=created, model=model, usage=_usage(outs),
                                       choices=choices)
 
-    from iterserve.server import embeddings  # here: the routers' modules import this one
+    from iterserve.server import embeddings, messages, responses  # here: the routers' modules import this one
     routes = Routes(async_engine, served_model_name, check_model, start, chat_prompt, start_chat)
-    app.include_router(embeddings.router(routes, pooling))
+    for api in (embeddings.router(routes, pooling), responses.router(routes), messages.router(routes)):
+        app.include_router(api)
 
     if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, Engine):  # they read its scheduler
         mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics

@@ -33,6 +33,12 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at --max-waiting-requests; the client should retry later."""
+    status, type = 503, "server_overloaded"
+
+
+class QueuedTokensError(QueueFullError):
+    """The waiting requests' tokens would pass --max-num-queued-tokens; the client should retry later."""
+    status, type = 429, "rate_limit_exceeded"
 
 
 class RequestTimeoutError(RuntimeError):
@@ -127,6 +133,7 @@ def _merge(outputs: list[RequestOutput]) -> list[RequestOutput]:
 class AsyncEngine:
     def __init__(self, engine: Engine | Callable[[], Engine], *, max_waiting_requests: int | None = None,
                  request_timeout: float | None = None, log_interval: float = 10.0,
+                 max_num_queued_tokens: int | None = None,
                  on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
                  wait: bool = True) -> None:
         """`engine` is an Engine, or a function that builds one; the server passes the function, so the
@@ -149,6 +156,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._status = _StatusLine(log_interval)
         self._max_waiting = max_waiting_requests
+        self.max_num_queued_tokens = max_num_queued_tokens  # None: no limit
         self._built = threading.Event()
         self._build_failed: list[BaseException] = []
         if isinstance(engine, Engine):
@@ -347,9 +355,8 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_resolve, c.accepted,
                                             ShuttingDownError("the server is shutting down and takes no new requests"))
             return
-        if self.engine.stats.num_queued >= self.max_waiting_requests:
-            error = QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
-        else:
+        error = self._refusal(c)
+        if error is None:
             try:
                 self.engine.add_request(c.prompt, c.params, c.request_id, c.arrival_time,
                                         priority=c.priority, cache_salt=c.cache_salt)
@@ -361,6 +368,20 @@ class AsyncEngine:
             except ValueError as exc:
                 error = exc
         self._loop.call_soon_threadsafe(_resolve, c.accepted, error)
+
+    def _refusal(self, c: _Add) -> QueueFullError | None:
+        """Admission by the queue's length and its tokens. A request that finds no tokens waiting is
+        admitted whatever its size, so a long prompt is never refused for good."""
+        stats = self.engine.stats
+        if stats.num_queued >= self.max_waiting_requests:
+            return QueueFullError(f"the waiting queue is full ({self.max_waiting_requests} requests)")
+        limit, queued = self.max_num_queued_tokens, stats.num_queued_tokens
+        if limit is not None and queued:
+            new = c.n * (len(c.prompt) if isinstance(c.prompt, list) else len(self.engine.encode(c.prompt)))
+            if queued + new > limit:
+                return QueuedTokensError(f"the waiting requests hold {queued} prompt tokens; {new} more would pass "
+                                         f"the server's limit of {limit} (--max-num-queued-tokens)")
+        return None
 
     def _abort_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):

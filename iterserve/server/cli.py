@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None, whatif_for: WhatIfFor | None = None) -> 
     name = server.served_model_name or served_name(config.model_config.model)
     origins = [o.strip() for o in server.allowed_origins.split(",") if o.strip()] if server.allowed_origins else None
     if config.parallel_config.data_parallel_size > 1:  # replicas on Ray Serve, whose proxy takes the port
+        if server.max_num_queued_tokens is not None:
+            fail("--max-num-queued-tokens works on one engine (or --pd), not yet with --data-parallel-size > 1")
         from iterserve.server.ray_cli import serve_replicas
         return serve_replicas(config, server, name, origins)
     if server.ray_address is not None:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None, whatif_for: WhatIfFor | None = None) -> 
             fail(str(exc))
         build = lambda: serving_engines(config, args.kv_transport, x, y)  # noqa: E731
     async_engine = AsyncEngine(build, request_timeout=server.request_timeout, log_interval=server.log_interval,
-                               wait=False)
+                               max_num_queued_tokens=server.max_num_queued_tokens, wait=False)
     # the HTTP stack imports while the engine thread loads: it fits in the load's GIL-free stretches
     # (weight reads, packing, the tokenizer's Rust side)
     import uvicorn

@@ -130,7 +130,8 @@ def merged_stats(prefill: list[EngineStats], decode: list[EngineStats]) -> Engin
         num_prefix_queries=sum(s.num_prefix_queries for s in prefill),
         num_prefix_hits=sum(s.num_prefix_hits for s in prefill), num_steps=sum(s.num_steps for s in decode),
         max_model_len=min(s.max_model_len for s in prefill + decode),
-        num_kv_transfers_recomputed=sum(s.num_kv_transfers_recomputed for s in decode))
+        num_kv_transfers_recomputed=sum(s.num_kv_transfers_recomputed for s in decode),
+        num_queued_tokens=sum(s.num_queued_tokens for s in prefill + decode))
 
 
 def _error_output(request_id: str, error: str, last: RequestOutput | None = None) -> RequestOutput:

@@ -37,6 +37,8 @@ def check_blocks(engine: Engine) -> None:
     running = {r.request_id for r in engine.scheduler.running}
     assert set(kv.computing.values()) <= running, "only a running request promises prefix blocks"
     assert not (kv.computing.keys() & kv.pool.cached.keys()), "a promised block is already cached"
+    waiting = engine.scheduler.waiting
+    assert engine.scheduler.num_waiting_tokens == sum(r.num_tokens for r in waiting), "admission's token count drifted"
 
 
 def check_contexts(engine: Engine, executor: FakeExecutor) -> None:

@@ -58,9 +58,10 @@ class Server:
 def start_server(engine: Engine, api_key: str | None = None, max_request_bytes: int = 1 << 20,
                  max_waiting_requests: int | None = None, model: str = MODEL,
                  request_timeout: float | None = None, allowed_origins: list[str] | None = None,
-                 diagnostics=None, **app_kwargs) -> Server:
+                 diagnostics=None, max_num_queued_tokens: int | None = None, **app_kwargs) -> Server:
     """app_kwargs: build_app's other options (pooling, reasoning_parser)."""
-    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, request_timeout=request_timeout)
+    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, request_timeout=request_timeout,
+                               max_num_queued_tokens=max_num_queued_tokens)
     app = build_app(async_engine, model, api_key=api_key, max_request_bytes=max_request_bytes,
                     allowed_origins=allowed_origins, diagnostics=diagnostics, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

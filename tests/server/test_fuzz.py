@@ -24,18 +24,26 @@ def fast_server(tokenizer):
     server.stop()
 
 
-def _check(r, status: int | None = None) -> None:
-    """2xx, or a 4xx whose body is an OpenAI error object."""
+def _check(r, status: int | None = None, path: str = "") -> None:
+    """2xx, or a 4xx whose body is an OpenAI error object (Anthropic's on /v1/messages)."""
     assert r.status_code < 500, f"{r.status_code}: {r.text[:500]}"
     if status is not None:
         assert r.status_code == status, r.text[:500]
-    if r.status_code >= 400:
+    if r.status_code >= 400 and path.startswith("/v1/messages"):
+        body = r.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"} and body["error"]["message"]
+    elif r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["code"] == r.status_code
     content_type = r.headers.get("content-type", "")
     if isinstance(content_type, list):  # schemathesis' response keeps every value of a header
         content_type = content_type[0] if content_type else ""
-    if content_type.startswith("text/event-stream"):
+    if content_type.startswith("text/event-stream") and path.startswith(("/v1/messages", "/v1/responses")):
+        # typed events (event: lines), no [DONE]; the last one ends the reply, none is an error
+        types = [json.loads(line[6:])["type"] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert types[-1] in ("message_stop", "response.completed", "response.incomplete"), types[-3:]
+        assert "error" not in types, types
+    elif content_type.startswith("text/event-stream"):
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert all("error" not in json.loads(e) for e in events[:-1]), events[-3:]
@@ -61,7 +69,7 @@ def test_fuzz_every_route_from_the_openapi_schema(fast_server, tokenizer):
                   suppress_health_check=list(HealthCheck))
         def fuzz(case) -> None:
             r = case.call(base_url=fast_server.url, timeout=30)
-            _check(r)
+            _check(r, path=operation.path)
             seen.append((operation.path, r.status_code))
 
         given(case=operation.as_strategy())(fuzz)()

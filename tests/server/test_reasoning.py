@@ -139,3 +139,27 @@ def test_tool_calls_come_from_the_content_part(client):
         assert [c.function.name for c in calls] == ["get_weather"], stream
         assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
         assert reasoning == "Weather: call the tool."
+
+
+@pytest.mark.slow
+def test_responses_reasoning_item_whole_and_streamed(client):
+    r = client.responses.create(model=MODEL, input="Hi!", max_output_tokens=64)
+    assert [i.type for i in r.output] == ["reasoning", "message"] and r.output_text == "Hello there!"
+    assert r.output[0].content[0].text == "The user greets me. I greet back."
+    with client.responses.stream(model=MODEL, input="Hi!", max_output_tokens=64) as stream:
+        reasoning = "".join(e.delta for e in stream if e.type == "response.reasoning_text.delta")
+        final = stream.get_final_response()
+    assert reasoning == final.output[0].content[0].text == "The user greets me. I greet back."
+    assert final.output_text == "Hello there!"
+
+
+@pytest.mark.slow
+def test_messages_thinking_block(server):
+    import anthropic
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    blocks = lambda m: [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content]  # noqa: E731
+    m = client.messages.create(model=MODEL, max_tokens=64, messages=HI)
+    assert blocks(m) == [("thinking", "The user greets me. I greet back."), ("text", "Hello there!")]
+    with client.messages.stream(model=MODEL, max_tokens=64, messages=HI) as stream:
+        final = stream.get_final_message()
+    assert blocks(final) == blocks(m) and final.stop_reason == m.stop_reason == "end_turn"

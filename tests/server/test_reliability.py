@@ -243,7 +243,9 @@ def test_no_route_serves_files(fake_server):
     assert paths == {"/v1/embeddings", "/health", "/version", "/v1/models", "/v1/models/{model_id:path}", "/metrics",
                      "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
                      "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
-                     "/dashboard", "/dashboard.js", "/v1/dashboard", "/v1/diagnostics"}
+                     "/dashboard", "/dashboard.js", "/v1/dashboard", "/v1/diagnostics",
+                     "/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel",
+                     "/v1/messages", "/v1/messages/count_tokens"}
     assert httpx.get(fake_server.url + "/../../etc/passwd").status_code == 404
     assert httpx.get(fake_server.url + "/v1/models/../../etc/passwd").status_code == 404
 
