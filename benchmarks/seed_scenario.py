@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # step_time.py and model_shapes.
 from model_shapes import DEFAULT_CACHE, paths  # noqa: E402
 from step_time import decode_plan, linear_weights, timed  # noqa: E402
 
-from iterserve.bench.metrics import TargetResult, summarize  # noqa: E402
 from iterserve.bench.cli import write_report  # noqa: E402
+from iterserve.bench.metrics import TargetResult, summarize  # noqa: E402
 from iterserve.bench.runner import build_report, run_targets, shared_model_engines  # noqa: E402
 from iterserve.bench.workload import LengthDist, Trace, make_trace  # noqa: E402
 from iterserve.config import EngineConfig  # noqa: E402
@@ -92,8 +92,11 @@ def seed_trace(args: argparse.Namespace) -> Trace:
 def engine_kwargs(args: argparse.Namespace, model: str | None, batches: list[int]) -> dict:
     """One pool for both targets and the curve: every seat a whole request, and the curve's largest batch."""
     block_size = EngineConfig().cache_config.block_size
-    blocks = args.num_kv_blocks or max(args.max_num_seqs * cdiv(args.prompt_len + args.output_len, block_size),
-                                       max(batches) * curve_blocks_per_seq(args.context, block_size))
+    curve = max(batches) * curve_blocks_per_seq(args.context, block_size)
+    if args.num_kv_blocks and args.num_kv_blocks < curve:  # found before the targets run, not after
+        raise ValueError(f"the curve's batch {max(batches)} at context {args.context} needs {curve} KV blocks: "
+                         f"--num-kv-blocks {args.num_kv_blocks} is fewer")
+    blocks = args.num_kv_blocks or max(args.max_num_seqs * cdiv(args.prompt_len + args.output_len, block_size), curve)
     return {"model": model, "max_num_seqs": args.max_num_seqs, "num_kv_blocks": blocks,
             "num_threads": args.num_threads, "seed": args.seed}
 
@@ -117,9 +120,7 @@ def keep_runner(factory):
 def step_curve(runner, batches: list[int], context: int, repeats: int) -> list[float]:
     """Median seconds of one decode step per batch size, every row at `context` tokens."""
     bps = curve_blocks_per_seq(context, runner.block_size)
-    if max(batches) * bps > runner.kv_cache_spec.num_device_blocks:
-        raise ValueError(f"the curve's batch {max(batches)} at context {context} needs {max(batches) * bps} KV blocks; "
-                         f"the pool has {runner.kv_cache_spec.num_device_blocks}: raise --num-kv-blocks")
+    assert max(batches) * bps <= runner.kv_cache_spec.num_device_blocks, "engine_kwargs sizes the pool for the curve"
     with torch.inference_mode():
         return [timed(lambda: runner.execute(decode_plan(b, context, bps)), repeats) for b in batches]
 
@@ -232,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(f"$ python benchmarks/seed_scenario.py {shlex.join(sys.argv[1:] if argv is None else argv)}", flush=True)
     args.context = args.context or args.prompt_len + args.output_len // 2
-    report = run(args)
+    try:
+        report = run(args)
+    except ValueError as exc:  # a setting that cannot work: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print_report(report)
     write_report(report, args.json)
     return 0

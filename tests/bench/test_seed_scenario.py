@@ -4,10 +4,9 @@ import json
 
 import pytest
 
+import iterserve.engine.engine as engine_module
 from iterserve.sim.hardware import SHIPPED_CPU_PROFILE
 from tests.bench import load_benchmark
-
-pytestmark = pytest.mark.slow
 
 shapes = load_benchmark("model_shapes")
 seed = load_benchmark("seed_scenario")
@@ -21,26 +20,24 @@ def report(tmp_path_factory, default_model_path):
     model = shapes.paths("tiny", tmp).hf
     shapes.write_hf("tiny", model)
     loads = []
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ITERSERVE_WEIGHT_CACHE", "0")  # nothing written beside the kernels
-    import iterserve.engine.engine as engine_module
     make = engine_module.make_executor
-    mp.setattr(engine_module, "make_executor", lambda config: loads.append(config) or make(config))
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ITERSERVE_WEIGHT_CACHE", "0")  # nothing written beside the kernels
+        mp.setattr(engine_module, "make_executor", lambda config: loads.append(config) or make(config))
         assert seed.main(["--model", str(model), "--num-requests", "6", "--prompt-len", "24", "--output-len", "8",
                           "--max-num-seqs", "4", "--batches", ",".join(map(str, BATCHES)), "--repeats", "1",
                           "--num-threads", "1", "--hardware-profile", str(SHIPPED_CPU_PROFILE),
                           "--json", str(tmp / "seed.json")]) == 0
-    finally:
-        mp.undo()
     return json.loads((tmp / "seed.json").read_text()), len(loads)
 
 
+@pytest.mark.slow
 def test_both_targets_and_the_curve_share_one_model_load(report):
     _, loads = report
     assert loads == 1
 
 
+@pytest.mark.slow
 def test_measured_and_simulated_targets_have_every_figure(report):
     r, _ = report
     for section in ("real", "simulated"):
@@ -51,6 +48,7 @@ def test_measured_and_simulated_targets_have_every_figure(report):
                 assert seed.figure(t, key) > 0, (section, t["name"], key)
 
 
+@pytest.mark.slow
 def test_the_curve_has_a_measured_and_a_modelled_time_per_batch(report):
     r, _ = report
     assert [c["batch"] for c in r["step_curve"]] == BATCHES
@@ -58,6 +56,7 @@ def test_the_curve_has_a_measured_and_a_modelled_time_per_batch(report):
     assert all(c["measured_ms"] > 0 and c["modelled_ms"] > 0 for c in r["step_curve"])
 
 
+@pytest.mark.slow
 def test_why_factors_the_throughput_and_the_ratio(report):
     r, _ = report
     for w in r["why"]:
@@ -69,7 +68,14 @@ def test_why_factors_the_throughput_and_the_ratio(report):
     assert ratio["tokens_per_step"] / ratio["seconds_per_step"] == pytest.approx(ratio["measured"])
 
 
+@pytest.mark.slow
 def test_the_model_line_compares_served_and_modelled_weight_bytes(report):
     m = report[0]["model"]
     assert (m["layers"], m["hidden"]) == (shapes.SHAPES["tiny"].layers, shapes.SHAPES["tiny"].hidden)
     assert m["served_weight_bytes"] > 0 and m["modelled_weight_bytes"] > 0
+
+
+def test_a_pool_too_small_for_the_curve_fails_before_any_model_loads(tmp_path, capsys):
+    args = ["--model", str(tmp_path / "never-read"), "--num-kv-blocks", "4", "--batches", "1,8", "--context", "60"]
+    assert seed.main(args) == 1
+    assert "needs 32 KV blocks" in capsys.readouterr().err
