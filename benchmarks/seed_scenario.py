@@ -1,7 +1,7 @@
 """The seed's scenario at a real size (issue 41): continuous against static batching through ONE loaded
 engine, the decode step-time curve that explains their ratio, and the simulator's prediction of both.
 
-    nice -n 10 python benchmarks/seed_scenario.py --json seed.json        # model_shapes.py's 8b Q4_K_M
+    python benchmarks/seed_scenario.py --json seed.json                   # model_shapes.py's 8b Q4_K_M
     python benchmarks/seed_scenario.py --model PATH --num-requests 16     # any GGUF file or HF directory
 
 1. The trace: --num-requests requests of --prompt-len -> --output-len tokens, all arriving at once, greedy
