@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from iterserve.model import cpu_kernels
+from iterserve.model import cpu_kernels, cpu_packing
 from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.cpu_decode import DecodeLayers
@@ -249,7 +249,7 @@ class LlamaModel:
         elif self.embed is not None:
             x = F.embedding(input_ids, self.embed)
         else:
-            x = cpu_kernels.panel_rows(self.lm_head.panels, input_ids)
+            x = cpu_packing.panel_rows(self.lm_head.panels, input_ids)
         return x.to(self.dtype)
 
     def _layer_forward(self, x, delta, layer: LayerWeights, layer_cache, plan, positions, cos_sin):

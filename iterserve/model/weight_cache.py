@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 
 from iterserve.heap import advise_huge_pages, trim_heap
-from iterserve.model import cpu_kernels, gguf_quant, loader, tokenizer
-from iterserve.model.cpu_kernels import cache_dir
+from iterserve.model import cpu_kernels, cpu_packing, gguf_quant, loader, tokenizer
+from iterserve.model.cpu_build import cache_dir
 from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
 from iterserve.model.loader import ModelArch
 from iterserve.model.quant import Int8Codes, Weight, from_stored, panel_layout, stored_tensors, weight_only_on_panels
@@ -434,7 +434,7 @@ def _prune_siblings(entry: Path) -> None:
 # ---------------------------------------------------------------- packed panels
 
 class PanelCache:
-    """The model's weights as the CPU linear kernel reads them (cpu_kernels.pack_panels), for one dtype,
+    """The model's weights as the CPU linear kernel reads them (cpu_packing.pack_panels), for one dtype,
     kept in the entry as panels-<dtype>.safetensors and mapped, not read, by a warm start: the model then
     neither reads the float weights it packs nor packs them, and its panels are the OS page cache's pages
     (read ahead into 2 MiB folios where the file system has them, so as fast to stream as the huge-page
@@ -532,9 +532,9 @@ def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool
     if entry is None:
         return None
     name = str(dtype).removeprefix("torch.") + (f"-{layout}" if layout not in ("plain", None) else "")
-    group = {"w8a8": f"-{cpu_kernels.INT8_GROUP}", "int4": f"-{cpu_kernels.INT4_GROUP}",
-             "int4-tiles": f"-{cpu_kernels.INT4_GROUP}"}.get(layout, "")
-    return PanelCache(entry / f"panels-{name}.safetensors", f"{entry.name}-{name}-{cpu_kernels.PANEL}{group}")
+    group = {"w8a8": f"-{cpu_packing.INT8_GROUP}", "int4": f"-{cpu_packing.INT4_GROUP}",
+             "int4-tiles": f"-{cpu_packing.INT4_GROUP}"}.get(layout, "")
+    return PanelCache(entry / f"panels-{name}.safetensors", f"{entry.name}-{name}-{cpu_packing.PANEL}{group}")
 
 
 def _map_panels(file: Path, key: str) -> dict[str, Weight]:
@@ -579,7 +579,7 @@ def _map_panels(file: Path, key: str) -> dict[str, Weight]:
         if ":" in name:
             continue
         parts = [p] + [panels[f"{name}:{i}"] for i in range(1, 1 + sum(n.startswith(name + ":") for n in panels))]
-        shape = torch.Size((out_features[name], in_features.get(name) or cpu_kernels.panel_in_features(p)))
+        shape = torch.Size((out_features[name], in_features.get(name) or cpu_packing.panel_in_features(p)))
         out[name] = from_stored(kinds.get(name, "panels"), parts, shape)
     return out
 
