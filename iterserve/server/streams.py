@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from iterserve.outputs import RequestOutput
 from iterserve.server.async_engine import EngineDeadError, RequestTimeoutError
 from iterserve.server.request_stream import RequestStream
+from iterserve.server.token_text import TokenText
 from iterserve.server.errors import ApiError
 from iterserve.server.protocol import ErrorResponse, Usage
 
