@@ -36,6 +36,8 @@ from iterserve.model.attention import rows_to_pairs
 from iterserve.model.kv_quant import quantize_kv
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+# the working tree's kernel sources: cpu_attention.cpp and the headers beside it (it includes some)
+SOURCES = ("cpu_attention.cpp", *sorted(p.name for p in Path(cpu_kernels.SOURCE).parent.glob("*.h")))
 
 
 def build(source: Path) -> dict:
