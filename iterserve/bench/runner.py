@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import os
 import time
 from collections import deque
