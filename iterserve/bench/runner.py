@@ -1,27 +1,24 @@
 """Drive one trace through targets: this engine (continuous, static), transformers' generate in
-padded static batches (hf-static), or any OpenAI-compatible server (http:URL).
+padded static batches (hf-static, hf_static.py), or any OpenAI-compatible server (http:URL,
+http_target.py).
 
 `run_trace` is the one driver for engines; the simulator passes an engine whose clock is virtual
 and the driver advances that clock instead of sleeping, so metrics, report and plots are shared.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import gc
-import json
 import os
-import sys
 import time
 from collections import deque
 from typing import Callable
 
-from tqdm import tqdm
-
+from iterserve.bench.hf_static import run_hf_static
+from iterserve.bench.http_target import parse_http_target, run_http
 from iterserve.bench.metrics import RequestMetrics, Slo, TargetResult, request_metrics, summarize
+from iterserve.bench.progress import _progress
 from iterserve.bench.workload import Trace, TraceRequest, materialize_prompts
-from iterserve.outputs import StepRecord
-from iterserve.request import RequestTimes
 from iterserve.sampling_params import SamplingParams
 
 ENGINE_TARGETS = ("continuous", "static")
@@ -35,11 +32,6 @@ def trace_params(r: TraceRequest) -> SamplingParams:
 def _advance_fn(clock) -> Callable[[float], None] | None:
     """The virtual clock's advance_to, whether the engine holds the clock object or its bound now()."""
     return getattr(clock, "advance_to", None) or getattr(getattr(clock, "__self__", None), "advance_to", None)
-
-
-def _progress(total: int, name: str, enabled: bool) -> tqdm:
-    return tqdm(total=total, desc=f"{name:>12}", unit="req", disable=not enabled, file=sys.stderr,
-                dynamic_ncols=True, leave=False)
 
 
 # ---------------------------------------------------------------- this engine
@@ -168,186 +160,6 @@ def run_engine_target(trace: Trace, scheduling: str, engine_kwargs: dict, progre
     del engine
     gc.collect()
     return result
-
-
-# ---------------------------------------------------------------- transformers' generate
-
-def resolve_dtype(dtype: str, device: str = "auto"):
-    """The engine's own rule, so hf-static runs in the dtype the engine runs in (bf16 on a CPU
-    with native bf16, float32 on one without)."""
-    from iterserve.executor.model_runner import pick_device, pick_dtype
-    return pick_dtype(dtype, pick_device(device))
-
-
-class _StepTimes:
-    """A generate() streamer that only timestamps: put() is called once with the prompt, then
-    once per generated step with that step's tokens for the whole batch."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.monotonic())
-
-    def end(self) -> None:
-        pass
-
-
-def load_hf_model(model_path: str | None, dtype: str):
-    from iterserve.model.loader import default_model_path, load_tokenizer, load_transformers_model
-    path = model_path or default_model_path()
-    return load_transformers_model(path, resolve_dtype(dtype)), load_tokenizer(path)
-
-
-def run_hf_static(trace: Trace, max_num_seqs: int, model_path: str | None = None, dtype: str = "auto",
-                  progress: bool = False, model=None, tokenizer=None) -> TargetResult:
-    """The traditional framework: wait for the running batch to end, take up to max_num_seqs
-    arrived requests in arrival order, left-pad, generate the batch's longest target for all.
-
-    Timing: generate() is called with a streamer that timestamps each step, so a request's
-    token times are the real times its batch produced each of its first output_len tokens. Its
-    `finished` is when generate() returns, because that is when a batch framework hands results
-    back. TTFT is therefore honest for a caller that could stream; queue time is arrival -> batch
-    start. Tokens past a request's target are padding work and are not counted."""
-    import torch
-    if model is None:
-        model, tokenizer = load_hf_model(model_path, dtype)
-    if any(r.prompt_token_ids is None for r in trace.requests):
-        materialize_prompts(trace, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    order = sorted(trace.requests, key=lambda r: r.arrival_time)
-    seats = min(max_num_seqs, trace.concurrency or max_num_seqs)
-    bar = _progress(len(order), "hf-static", progress)
-    metrics: list[RequestMetrics] = []
-    steps: list[StepRecord] = []
-    with torch.inference_mode():  # warm up the kernels on a tiny batch, like the engine targets
-        model.generate(torch.tensor([order[0].prompt_token_ids[:8]]), max_new_tokens=2, do_sample=False,
-                       pad_token_id=pad)
-    t0, i = time.monotonic(), 0
-    while i < len(order):
-        now = time.monotonic() - t0
-        if not trace.concurrency and order[i].arrival_time > now:
-            time.sleep(order[i].arrival_time - now)
-            now = time.monotonic() - t0
-        batch = [r for r in order[i:i + seats] if trace.concurrency or r.arrival_time <= now]
-        i += len(batch)
-        longest_prompt, longest_out = max(r.prompt_len for r in batch), max(r.output_len for r in batch)
-        ids = torch.full((len(batch), longest_prompt), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, r in enumerate(batch):
-            ids[row, longest_prompt - r.prompt_len:] = torch.tensor(r.prompt_token_ids)
-            mask[row, longest_prompt - r.prompt_len:] = 1
-        streamer, start = _StepTimes(), time.monotonic()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=longest_out, min_new_tokens=longest_out,
-                           do_sample=False, pad_token_id=pad, streamer=streamer)
-        end = time.monotonic()
-        token_times = streamer.times[1:]  # [0] is the prompt being handed over
-        for r in batch:
-            arrival = start if trace.concurrency else t0 + r.arrival_time
-            times = RequestTimes(arrival=arrival, first_scheduled=start, first_token=token_times[0],
-                                 token_times=token_times[:r.output_len], finished=end)
-            metrics.append(request_metrics(r.request_id, r.prompt_len, r.output_len, times, t0))
-        prev = start
-        for k, t in enumerate(token_times):  # one record per generate step, for the batch plots
-            live = [r.request_id for r in batch if r.output_len > k]
-            steps.append(StepRecord(prev - t0, t - t0, len(batch), len(order) - i,
-                                    len(batch) * (longest_prompt if k == 0 else 1), 0.0,
-                                    live if k == 0 else [], [] if k == 0 else live, []))
-            prev = t
-        bar.update(len(batch))
-    bar.close()
-    by_id = {m.request_id: m for m in metrics}
-    return TargetResult("hf-static", [by_id[r.request_id] for r in trace.requests],
-                        max(m.finished for m in metrics), steps, 0,
-                        {"max_num_seqs": max_num_seqs, "dtype": str(next(model.parameters()).dtype),
-                         "kv_usage_known": False,
-                         "timing": "token times from a per-step streamer; finished = when generate() returns"})
-
-
-# ---------------------------------------------------------------- OpenAI-compatible server
-
-def parse_http_target(target: str) -> str:
-    """'http:URL' -> URL; a bare 'http://host:port' or 'https://...' is accepted as it is."""
-    if target.startswith(("http://", "https://")):
-        return target.rstrip("/")
-    if target.startswith("http:"):
-        return target[5:].rstrip("/")
-    raise ValueError(f"not an http target: {target!r} (use http:URL)")
-
-
-async def _http_model(client, url: str) -> str:
-    resp = await client.get(f"{url}/v1/models")
-    resp.raise_for_status()
-    return resp.json()["data"][0]["id"]
-
-
-async def _http_request(client, url: str, model: str, r: TraceRequest, t0: float) -> RequestMetrics:
-    payload = {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0.0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    times = RequestTimes(arrival=time.monotonic())
-    usage = None
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=payload) as resp:
-            resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("usage"):
-                    usage = chunk["usage"].get("completion_tokens")
-                if chunk.get("choices"):  # one chunk per token (text may be empty mid-character)
-                    times.token_times.append(time.monotonic())
-        times.finished = time.monotonic()
-    except Exception as e:  # noqa: BLE001 - a failed request is a figure, not a crash
-        print(f"http request {r.request_id} failed: {e}", file=sys.stderr)
-    times.first_token = times.token_times[0] if times.token_times else None
-    n = usage if usage is not None else len(times.token_times)
-    m = request_metrics(r.request_id, r.prompt_len, n, times, t0)
-    m.queue = None  # the server's queue is not visible from the client
-    if times.finished is None or not times.token_times:
-        m.e2e = None
-    return m
-
-
-async def _http_run(trace: Trace, url: str, model: str | None, progress: bool, transport=None,
-                    api_key: str | None = None) -> TargetResult:
-    import httpx
-    limit = trace.concurrency
-    sem = asyncio.Semaphore(limit) if limit else None
-    bar = _progress(len(trace), "http", progress)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), transport=transport, headers=headers,
-                                 limits=httpx.Limits(max_connections=limit or len(trace))) as client:
-        model = model or await _http_model(client, url)
-        t0 = time.monotonic()
-
-        async def one(r: TraceRequest) -> RequestMetrics:
-            if not limit:
-                await asyncio.sleep(max(0.0, t0 + r.arrival_time - time.monotonic()))
-                m = await _http_request(client, url, model, r, t0)
-            else:
-                async with sem:
-                    m = await _http_request(client, url, model, r, t0)
-            bar.update(1)
-            return m
-
-        metrics = await asyncio.gather(*(one(r) for r in trace.requests))
-    bar.close()
-    end = max((m.finished for m in metrics if m.finished is not None), default=0.0)
-    return TargetResult(f"http:{url}", list(metrics), end, [], 0,
-                        {"model": model, "kv_usage_known": False,
-                         "timing": "TTFT/ITL from SSE chunk arrival; queue time not visible"})
-
-
-def run_http(trace: Trace, url: str, model: str | None = None, progress: bool = False,
-             tokenizer=None, transport=None, api_key: str | None = None) -> TargetResult:
-    if any(r.prompt_token_ids is None for r in trace.requests):
-        materialize_prompts(trace, tokenizer)
-    return asyncio.run(_http_run(trace, url, model, progress, transport, api_key))
 
 
 # ---------------------------------------------------------------- several targets, one report

@@ -10,7 +10,7 @@ import platform
 import torch
 
 import iterserve
-from iterserve.model import cpu_kernels, cpu_paths
+from iterserve.model import cpu_build, cpu_paths
 
 
 def cpu_model() -> str:
@@ -24,8 +24,8 @@ def cpu_model() -> str:
 def report() -> dict:
     paths = cpu_paths.current()
     return {"iterserve": iterserve.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "cpu": cpu_model(), "isa_cap": cpu_kernels.ISA_CAP, "cores": os.cpu_count(), "cuda": torch.cuda.is_available(),
-            "kernel_cache": str(cpu_kernels.cache_dir()), "paths": {**{f: getattr(paths, f) for f in paths.__slots__},
+            "cpu": cpu_model(), "isa_cap": cpu_build.ISA_CAP, "cores": os.cpu_count(), "cuda": torch.cuda.is_available(),
+            "kernel_cache": str(cpu_build.cache_dir()), "paths": {**{f: getattr(paths, f) for f in paths.__slots__},
                                                                     "default_dtype": paths.default_dtype, "torch_prompt_attention": paths.torch_prompt_attention,
                                                                     "decode_loop": paths.decode_loop},
             "summary": paths.summary()}

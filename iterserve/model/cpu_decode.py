@@ -19,12 +19,13 @@ import functools
 
 import torch
 
-from iterserve.model import cpu_kernels
+from iterserve.model import cpu_build, cpu_kernels
 from iterserve.model.attention import in_pairs
-from iterserve.model.cpu_kernels import DTYPES, FLAGS, _build, _f32, _i32, _i64, _p
+from iterserve.model.cpu_build import FLAGS, _build, _f32, _i32, _i64, _p
+from iterserve.model.cpu_kernels import DTYPES
 from iterserve.model.quant import kernel_panels
 
-SOURCE = cpu_kernels.DECODE_SOURCE
+SOURCE = cpu_build.DECODE_SOURCE
 # What cpu_decode.cpp can time, per layer and in its Part order: both norms are "norm".
 PARTS = ("norm", "qkv", "rope", "write_kv", "attention", "o", "gate_up", "silu_mul", "down")
 

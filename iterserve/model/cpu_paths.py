@@ -13,14 +13,14 @@ The paths, widest first:
 - avx2 (with FMA): bf16 storage as above; weight-only int8/int4 summed in integers on the kernel's panels.
 - baseline: no vector kernel (or no compiler): torch's ops in float32.
 
-ITERSERVE_CPU_ISA=<a path> caps the CPU at that path (cpu_kernels.ISA_CAPS): the kernels are built
+ITERSERVE_CPU_ISA=<a path> caps the CPU at that path (cpu_build.ISA_CAPS): the kernels are built
 without the wider instructions and their flags are hidden, so a wide CPU runs and tests a narrower one's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from iterserve.model import cpu_kernels
+from iterserve.model import cpu_build, cpu_kernels
 
 ISAS = ("amx", "avx512_bf16", "avx512", "avx2", "baseline")
 
@@ -89,7 +89,7 @@ def decide(flags: bytes, *, kernels: bool, pairs: bool, amx: bool, w8a8: bool, w
 def current() -> CpuPaths:
     """This CPU's paths, with this process's kernel builds (each cached where it is built)."""
     kernels = cpu_kernels.linear_kernel() is not None
-    return decide(cpu_kernels.cpu_flags(), kernels=kernels, pairs=kernels and cpu_kernels.linear_pairs_supported(),
+    return decide(cpu_build.cpu_flags(), kernels=kernels, pairs=kernels and cpu_kernels.linear_pairs_supported(),
                   amx=kernels and cpu_kernels.linear_amx_supported(),
                   w8a8=kernels and cpu_kernels.linear_int8_supported(),
                   weight_only=kernels and cpu_kernels.linear_weight_only_supported())

@@ -18,7 +18,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from iterserve.model import cpu_kernels
+from iterserve.model import cpu_packing
 from iterserve.model.quant import INT4_GROUP, Int4Codes, Int8Codes
 
 FLOAT_TYPES = {T.F32, T.F16, T.BF16, T.F64}
@@ -82,7 +82,7 @@ def int8_codes(raw: np.ndarray, ttype: T) -> Int8Codes:
     per row do not depend on other rows, so slicing changes nothing)."""
     qs, scales = [], []
     for start in range(0, raw.shape[0], _ROWS_AT_ONCE):
-        q, s = cpu_kernels.int8_codes(torch.from_numpy(dequantize(raw[start:start + _ROWS_AT_ONCE], ttype)))
+        q, s = cpu_packing.int8_codes(torch.from_numpy(dequantize(raw[start:start + _ROWS_AT_ONCE], ttype)))
         qs.append(q)
         scales.append(s)
     return Int8Codes(torch.cat(qs), torch.cat(scales))

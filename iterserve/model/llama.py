@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from iterserve.model import cpu_kernels
+from iterserve.model import cpu_kernels, cpu_packing
 from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.cpu_decode import DecodeLayers
@@ -92,7 +92,7 @@ class LlamaModel:
         weights are then that rank's shard, and the o/down outputs and the logits cross ranks.
         dtype: the arithmetic's, where it differs from the weights' (--dtype bf16-storage: bfloat16
         weights read by the CPU panel kernel under float32 activations); default: the weights'.
-        panel_cache: a weight_cache.PanelCache, whose panels stand in for the float weights they were
+        panel_cache: a panel_cache.PanelCache, whose panels stand in for the float weights they were
         packed from (those are then never read); None: every weight is packed here."""
         self.cfg, self.block_size, self.tp = cfg, block_size, tp
         w = weights
@@ -120,7 +120,7 @@ class LlamaModel:
 
         def pack(name: str, read, mode: str | None = quantization) -> Weight:
             """The weight `name` as the model runs it (quantized in `mode`), from read() (its float tensor) or
-            from the cache, which holds the panels of the C++ kernel (weight_cache.PanelCache)."""
+            from the cache, which holds the panels of the C++ kernel (panel_cache.PanelCache)."""
             build = (lambda: quantize(read(), mode, norm.dtype)) if mode else (  # noqa: E731
                 lambda: pack_float(_floats(read(), norm.dtype), panels=mixed))
             return build() if panel_cache is None else panel_cache.weight(name, build)
@@ -249,7 +249,7 @@ class LlamaModel:
         elif self.embed is not None:
             x = F.embedding(input_ids, self.embed)
         else:
-            x = cpu_kernels.panel_rows(self.lm_head.panels, input_ids)
+            x = cpu_packing.panel_rows(self.lm_head.panels, input_ids)
         return x.to(self.dtype)
 
     def _layer_forward(self, x, delta, layer: LayerWeights, layer_cache, plan, positions, cos_sin):

@@ -51,14 +51,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from iterserve.model import cpu_kernels, cpu_paths
+from iterserve.model import cpu_kernels, cpu_packing, cpu_paths
 
-INT4_GROUP = cpu_kernels.INT4_GROUP  # the GGUF block size, so a Q4_0/Q4_1 tensor maps group for group
+INT4_GROUP = cpu_packing.INT4_GROUP  # the GGUF block size, so a Q4_0/Q4_1 tensor maps group for group
 
 
 @dataclass(slots=True)
 class Int8Weight:
-    qweight: torch.Tensor  # [N, K] int8, or with `panels` cpu_kernels.pack_int8_weight_panels' (scales inside)
+    qweight: torch.Tensor  # [N, K] int8, or with `panels` cpu_packing.pack_int8_weight_panels' (scales inside)
     scales: torch.Tensor  # [N]: compute dtype for torch's kernel, float32 beside the panels (a copy is inside)
     shape: torch.Size  # [N, K], as the float weight's
     panels: bool = False  # whether qweight is the C++ kernel's panels (AVX2), else torch's [N, K] layout
@@ -75,7 +75,7 @@ class Int8Weight:
 
 @dataclass(slots=True)
 class Int4Weight:
-    packed: torch.Tensor  # PyTorch's CPU int4 tile layout, [N, K / 2] uint8, or cpu_kernels.pack_int4_weight_panels'
+    packed: torch.Tensor  # PyTorch's CPU int4 tile layout, [N, K / 2] uint8, or cpu_packing.pack_int4_weight_panels'
     scales_zeros: torch.Tensor | None  # [K / group, N, 2], compute dtype, for torch's kernel; None beside the panels
     shape: torch.Size  # [N, K], as the float weight's
 
@@ -115,14 +115,14 @@ class Int4Codes:
 
     def to_int8(self, rows: int = 4096) -> Int8Codes:
         """Per-row int8 codes of these weights, dequantized `rows` at a time (rows are coded alone)."""
-        parts = [cpu_kernels.int8_codes(Int4Codes(*(p[i:i + rows] for p in self.parts())).dequantize(torch.float32))
+        parts = [cpu_packing.int8_codes(Int4Codes(*(p[i:i + rows] for p in self.parts())).dequantize(torch.float32))
                  for i in range(0, self.q.shape[0], rows)]
         return Int8Codes(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]))
 
 
 @dataclass(slots=True)
 class Int8Codes:
-    """Per-row int8 codes (cpu_kernels.int8_codes): a GGUF tensor of another quantized type (Q8_0, Q5_*, Q6_K:
+    """Per-row int8 codes (cpu_packing.int8_codes): a GGUF tensor of another quantized type (Q8_0, Q5_*, Q6_K:
     no int4 or per-row grid holds them, so they are re-rounded once), or a quantized embedding table, whose
     rows are dequantized on lookup instead of keeping a float copy of vocab x hidden."""
     q: torch.Tensor  # [N, K] int8
@@ -159,7 +159,7 @@ def cat_codes(parts: list[torch.Tensor | Codes]) -> torch.Tensor | Codes:
     if not kinds & {Int4Codes, Int8Codes}:
         return torch.cat(parts)
     return cat_codes([p if isinstance(p, Int8Codes) else p.to_int8() if isinstance(p, Int4Codes) else
-                      Int8Codes(*cpu_kernels.int8_codes(p)) for p in parts])
+                      Int8Codes(*cpu_packing.int8_codes(p)) for p in parts])
 
 
 def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -185,7 +185,7 @@ class PackedFloatWeight:
 
 @dataclass(slots=True)
 class PanelWeight:
-    panels: torch.Tensor  # cpu_kernels.pack_panels' layouts: [ceil(N / PANEL), K, PANEL], or K / 2 pairs
+    panels: torch.Tensor  # cpu_packing.pack_panels' layouts: [ceil(N / PANEL), K, PANEL], or K / 2 pairs
     shape: torch.Size
 
     @property
@@ -240,7 +240,7 @@ def panel_tensor(w: Weight) -> tuple[torch.Tensor, str] | None:
 def from_panel_tensor(kind: str, t: torch.Tensor, shape: torch.Size) -> Weight:
     """The weight panel_tensor gave (t, kind) for, of this [N, K] shape."""
     if kind == "int8":  # the row scales are the panels' tail
-        padded = -(-shape[0] // cpu_kernels.PANEL) * cpu_kernels.PANEL
+        padded = -(-shape[0] // cpu_packing.PANEL) * cpu_packing.PANEL
         return Int8Weight(t, t[t.numel() - 4 * padded:].view(torch.float32)[:shape[0]], shape, panels=True)
     if kind == "int4":
         return Int4Weight(t, None, shape)
@@ -273,16 +273,16 @@ def from_stored(kind: str, tensors: list[torch.Tensor], shape: torch.Size) -> We
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
-    """Symmetric, one scale per output row (cpu_kernels.int8_codes, as w8a8's panels hold them). On AVX2
+    """Symmetric, one scale per output row (cpu_packing.int8_codes, as w8a8's panels hold them). On AVX2
     without AVX-512 the C++ kernel's panels: torch's weight-only int8 kernel there is many times slower
     than bf16 storage (docs/performance.md, 2026-12-02)."""
-    return int8_weight(*cpu_kernels.int8_codes(w), w.dtype, w.device)
+    return int8_weight(*cpu_packing.int8_codes(w), w.dtype, w.device)
 
 
 def int8_weight(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Int8Weight:
     """The Int8Weight of codes q [N, K] int8 and float32 row scales [N]; dtype: the arithmetic's (torch's kernel)."""
     if device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
-        return Int8Weight(cpu_kernels.pack_int8_weight_panels(q, scales), scales, q.shape, panels=True)
+        return Int8Weight(cpu_packing.pack_int8_weight_panels(q, scales), scales, q.shape, panels=True)
     return Int8Weight(q.contiguous(), scales.to(dtype), q.shape)
 
 
@@ -305,7 +305,7 @@ def int4_weight(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: t
     """The Int4Weight of codes q [N, K] in [0, 15] and per-group float32 scale and minimum [N, K / INT4_GROUP]
     (w = q * scale + lo); dtype: the arithmetic's, in which torch's kernel takes them."""
     if device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
-        return Int4Weight(cpu_kernels.pack_int4_weight_panels(q, scale, lo), None, q.shape)
+        return Int4Weight(cpu_packing.pack_int4_weight_panels(q, scale, lo), None, q.shape)
     zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
     # 2 inner k-tiles: the CPU kernel's choice
@@ -332,7 +332,7 @@ def pack_float(w: torch.Tensor, panels: bool = False) -> Weight:
     if layout == "pairs" and w.shape[1] % 2:
         layout = None  # an odd number of inputs: oneDNN's (no model here has one)
     if layout is not None:
-        return PanelWeight(cpu_kernels.pack_panels(w, pairs=layout == "pairs"), w.shape)
+        return PanelWeight(cpu_packing.pack_panels(w, pairs=layout == "pairs"), w.shape)
     if not torch.backends.mkldnn.is_available():
         return w
     try:  # float16 needs AVX-512 fp16 or AVX-NE-CONVERT; bfloat16 without AVX-512 bf16 is emulated
@@ -358,7 +358,7 @@ def quantize(w: torch.Tensor | Codes, mode: str, dtype: torch.dtype | None = Non
     if mode == "int4":
         return quantize_int4(w)
     if mode == "w8a8":
-        return PanelWeight(cpu_kernels.pack_int8_panels(w), w.shape)
+        return PanelWeight(cpu_packing.pack_int8_panels(w), w.shape)
     raise ValueError(f"quantization must be None, 'int8', 'int4' or 'w8a8', got {mode!r}")
 
 

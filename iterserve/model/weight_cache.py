@@ -34,96 +34,30 @@ that cannot be read is rebuilt with a warning; one that cannot be written leaves
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import gc
-import hashlib
 import json
 import logging
-import math
-import mmap
 import os
 import shutil
 from collections.abc import Iterator, Mapping
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
-from iterserve.heap import advise_huge_pages, trim_heap
-from iterserve.model import cpu_kernels, gguf_quant, loader, tokenizer
-from iterserve.model.cpu_kernels import cache_dir
+from iterserve.heap import trim_heap
+from iterserve.model import gguf_file, gguf_quant, loader
+from iterserve.model.cache_entry import _NATIVE, _TABLE, _WEIGHTS, FORMAT, _cacheable, entry_dir
 from iterserve.model.llama import FUSED_GATE_UP, FUSED_QKV
 from iterserve.model.loader import ModelArch
-from iterserve.model.quant import Int8Codes, Weight, from_stored, panel_layout, stored_tensors, weight_only_on_panels
+from iterserve.model.panel_cache import panel_cache  # noqa: F401 - model_runner.py calls it from here
+from iterserve.model.quant import Int8Codes
+from iterserve.model.tokenizer_cache import load_tokenizer  # noqa: F401 - model_runner.py and others call it from here
 
 logger = logging.getLogger("iterserve.model")
 
-FORMAT = 5  # bump when what an entry holds changes (2: q/k/v and gate/up fused; 3, 4: int8, int4 panels in
-# pairs; 5: int8/int4 from a quantized GGUF's codes, native.safetensors, torch's int8/int4 layouts)
-_EDGE = 1 << 20  # bytes hashed at each end of the model file
-_WEIGHTS, _NATIVE, _TABLE, _TOKENIZER = "model.safetensors", "native.safetensors", "tensors.json", "tokenizer"
 # the weights the model packs or quantizes into its own copies; it keeps every other one as given
 _PACKED_SUFFIXES = ("_proj.weight", "lm_head.weight")
-
-
-def cache_root() -> Path | None:
-    """Where entries live, or None when the cache is off or cannot be made."""
-    value = os.environ.get("ITERSERVE_WEIGHT_CACHE", "")
-    if value == "0":
-        return None
-    root = Path(value) if value else cache_dir() / "weights"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        logger.warning("weight cache off: cannot make %s (%s)", root, exc)
-        return None
-    return root
-
-
-def file_key(path: str) -> str:
-    """What the cached bytes depend on: the file (cheaply: size, mtime, both ends) and the code that reads it."""
-    st = os.stat(path)
-    versions = [_version(p) for p in ("gguf", "transformers", "tokenizers")]
-    h = hashlib.sha256(repr((FORMAT, st.st_size, st.st_mtime_ns, versions)).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(_EDGE))
-        f.seek(max(0, st.st_size - _EDGE))
-        h.update(f.read(_EDGE))
-    return h.hexdigest()[:16]
-
-
-@functools.cache
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "none"
-
-
-def entry_dir(path: str) -> Path | None:
-    """This model file's entry (made on first use), or None when the file is not cached."""
-    root = cache_root()
-    if root is None or not _cacheable(path):
-        return None
-    entry = root / f"{_entry_prefix(path)}{file_key(path)}"
-    try:
-        entry.mkdir(exist_ok=True)
-    except OSError as exc:
-        logger.warning("weight cache off for %s: %s", path, exc)
-        return None
-    return entry
-
-
-def _cacheable(path: str) -> bool:
-    """GGUF files only: a Hugging Face directory's safetensors are read with mmap as they are."""
-    return os.path.isfile(path) and path.endswith(".gguf")
-
-
-def _entry_prefix(path: str) -> str:
-    where = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:8]
-    return f"{Path(path).stem}-{where}-"
 
 
 # ---------------------------------------------------------------- weights and arch
@@ -431,252 +365,12 @@ def _prune_siblings(entry: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-# ---------------------------------------------------------------- packed panels
-
-class PanelCache:
-    """The model's weights as the CPU linear kernel reads them (cpu_kernels.pack_panels), for one dtype,
-    kept in the entry as panels-<dtype>.safetensors and mapped, not read, by a warm start: the model then
-    neither reads the float weights it packs nor packs them, and its panels are the OS page cache's pages
-    (read ahead into 2 MiB folios where the file system has them, so as fast to stream as the huge-page
-    arena: docs/performance.md) rather than fresh memory, whose every 2 MiB first touch waits for the
-    hypervisor in a virtual machine. A miss packs as before and writes the file for the next start.
-
-    The panels are a pure function of the entry's floats, the dtype, PANEL and the layout: not of the
-    CPU, beyond the layout pack_float gives it (panel_layout), which is in the file's name and key."""
-
-    def __init__(self, file: Path, key: str) -> None:
-        self.file, self.key = file, key
-        self.mapped = _map_panels(file, key) if file.exists() else {}
-        self.built: dict[str, Weight] = {}
-
-    def weight(self, name: str, build) -> Weight:
-        """The cached panels of `name`, or build() (recorded for save() where it gives panels)."""
-        if name in self.mapped:
-            return self.mapped[name]
-        weight = build()
-        if stored_tensors(weight) is not None:
-            self.built[name] = weight
-        return weight
-
-    def save(self) -> None:
-        """After a miss, write every weight packed for the next start: a temporary file renamed into place,
-        flushed and dropped from the page cache (written, it sits there in small folios; read back through a
-        huge-page mapping it comes in 2 MiB ones). A file that cannot be written leaves the next start
-        packing again."""
-        if not self.built or self.mapped:
-            return
-        tmp = self.file.with_name(f"{self.file.name}.{os.getpid()}.tmp")
-        stored = {n: stored_tensors(w) for n, w in self.built.items()}
-        meta = {"key": self.key, "out_features": json.dumps({n: w.shape[0] for n, w in self.built.items()}),
-                "in_features": json.dumps({n: w.shape[1] for n, w in self.built.items()}),
-                "kinds": json.dumps({n: kind for n, (kind, _) in stored.items()})}
-        # a weight's first tensor under its name, any further one as "<name>:<i>"
-        tensors = {n if i == 0 else f"{n}:{i}": t.contiguous() for n, (_, ts) in stored.items()
-                   for i, t in enumerate(ts)}
-        try:
-            save_aligned(tensors, tmp, meta)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.file)
-        except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is no reason to fail
-            logger.warning("weight cache: cannot write %s (%s)", self.file, exc)
-            tmp.unlink(missing_ok=True)
-            return
-        logger.info("weight cache: packed weights written to %s", self.file)
-
-
-_ALIGN = 64  # torch's int8 and int4 CPU kernels fault on weights not 16-byte aligned (safetensors aligns to 8)
-
-
-def save_aligned(tensors: dict[str, torch.Tensor], file: Path, metadata: dict[str, str]) -> None:
-    """safetensors' format with every tensor's data _ALIGN-aligned in the file, so in a page-aligned mapping:
-    "__pad<i>" uint8 tensors fill the gaps (the format allows no holes) and the header is padded with spaces."""
-    header, offset, order = {"__metadata__": metadata}, 0, []
-    for i, (name, t) in enumerate(tensors.items()):
-        gap = -offset % _ALIGN
-        if gap:
-            header[f"__pad{i}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
-            order.append(torch.zeros(gap, dtype=torch.uint8))
-            offset += gap
-        header[name] = {"dtype": _SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.nbytes]}
-        order.append(t)
-        offset += t.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()  # compact, as safetensors writes it
-    text += b" " * (-(8 + len(text)) % _ALIGN)
-    with open(file, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for t in order:
-            f.write(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
-
-
-def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool = False,
-                quantization: str | None = None) -> PanelCache | None:
-    """The model file's panel cache for weights of `dtype` (mixed: under float32 arithmetic, which takes
-    the plain layout whatever the CPU), or for w8a8's int8 panels or weight-only int8/int4's (quantization
-    "w8a8", "int8" or "int4", from weights of `dtype`); None where the file is not cached or this CPU's
-    kernel takes no panels of that kind."""
-    layout = None
-    if device.type == "cpu" and quantization == "w8a8":
-        layout = "w8a8" if cpu_kernels.linear_int8_supported() else None
-    elif device.type == "cpu" and quantization in ("int8", "int4"):  # the panels, or torch's layouts (stored_tensors)
-        layout = quantization if weight_only_on_panels(quantization) else \
-            {"int8": "int8-rows", "int4": "int4-tiles"}[quantization]
-    elif device.type == "cpu" and quantization is None:
-        layout = "plain" if mixed and cpu_kernels.linear_kernel() is not None else panel_layout(dtype)
-    entry = entry_dir(path) if layout is not None else None
-    if entry is None:
-        return None
-    name = str(dtype).removeprefix("torch.") + (f"-{layout}" if layout not in ("plain", None) else "")
-    group = {"w8a8": f"-{cpu_kernels.INT8_GROUP}", "int4": f"-{cpu_kernels.INT4_GROUP}",
-             "int4-tiles": f"-{cpu_kernels.INT4_GROUP}"}.get(layout, "")
-    return PanelCache(entry / f"panels-{name}.safetensors", f"{entry.name}-{name}-{cpu_kernels.PANEL}{group}")
-
-
-def _map_panels(file: Path, key: str) -> dict[str, Weight]:
-    """The file's panels by name, as views of a private mapping of it; empty (with a warning, the file
-    removed) if it is not a good one. Mapped here rather than by safetensors, whose reader touches each
-    tensor's first page as it hands it out: the mapping is advised for huge pages before any page is read,
-    so that the reads come in 2 MiB folios. The format is safetensors' own (save_file wrote it): an 8-byte
-    little-endian header length, a JSON header of dtype, shape and data_offsets, then the data."""
-    try:
-        with open(file, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE)  # copy-on-write: never written
-        advise_huge_pages(ctypes.addressof(ctypes.c_char.from_buffer(mapping)), len(mapping))
-        length = int.from_bytes(mapping[:8], "little")
-        header = json.loads(mapping[8:8 + length])
-        meta = header.pop("__metadata__", {})
-        if meta.get("key") != key:
-            raise ValueError(f"written for key {meta.get('key')!r}, not {key!r}")
-        out_features = json.loads(meta["out_features"])
-        in_features = json.loads(meta.get("in_features", "{}"))  # older files: float panels, whose K is their own
-        kinds = json.loads(meta.get("kinds", "{}"))  # older files: "panels" only
-        panels = {}
-        for name, info in header.items():
-            if name.startswith("__pad"):  # save_aligned's filler
-                continue
-            dtype, shape = _SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
-            begin, end = (8 + length + o for o in info["data_offsets"])
-            kind = kinds.get(name.split(":")[0], "panels")
-            rank_ok = kind in ("int8-rows", "int4-tiles") or (len(shape) == 1 if kind != "panels" else
-                                                             len(shape) == 2 if dtype == torch.int8 else len(shape) in (3, 4))
-            if not rank_ok or end > len(mapping) or end - begin != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"{name}: shape {shape} and offsets {info['data_offsets']} disagree")
-            panels[name] = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape), offset=begin).view(shape)
-        if {n.split(":")[0] for n in panels} != set(out_features):
-            raise ValueError("its panels and their out_features disagree")
-    except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, it is rebuilt, never fatal
-        logger.warning("weight cache: %s is unreadable (%s); rebuilding it", file, exc)
-        file.unlink(missing_ok=True)
-        return {}
-    logger.info("weight cache: packed weights mapped from %s", file)
-    out = {}
-    for name, p in panels.items():
-        if ":" in name:
-            continue
-        parts = [p] + [panels[f"{name}:{i}"] for i in range(1, 1 + sum(n.startswith(name + ":") for n in panels))]
-        shape = torch.Size((out_features[name], in_features.get(name) or cpu_kernels.panel_in_features(p)))
-        out[name] = from_stored(kinds.get(name, "panels"), parts, shape)
-    return out
-
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8,
-                      "U8": torch.uint8}
-_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
-
-
-# ---------------------------------------------------------------- tokenizer
-
-def load_tokenizer(path: str):
-    """loader.load_tokenizer through the cache: transformers' GGUF vocabulary conversion runs once per
-    file, and a warm start reads the entry without importing transformers (model/tokenizer.py)."""
-    entry = entry_dir(path)
-    if entry is None:
-        return loader.load_tokenizer(path)
-    saved = entry / _TOKENIZER
-    if (saved / tokenizer.META).is_file():
-        light = _read_serving_tokenizer(saved)
-        if light is not None:
-            return light
-    if saved.is_dir():
-        tok = _read_tokenizer(saved)
-        if tok is not None:
-            _describe(tok, saved)  # an entry from before the serving tokenizer: serve it lightly next time
-            return tok
-    tok = loader.load_tokenizer(path)
-    if not _write_tokenizer(tok, saved):
-        return tok
-    reread = _read_tokenizer(saved)
-    if reread is None:
-        return tok
-    _describe(reread, saved)
-    return _read_serving_tokenizer(saved) or reread
-
-
-def _read_serving_tokenizer(saved: Path):
-    try:
-        return tokenizer.ServingTokenizer.from_dir(saved)
-    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception; a broken entry is rebuilt
-        logger.warning("weight cache: the tokenizer in %s is unreadable (%s); rebuilding it", saved, exc)
-        shutil.rmtree(saved, ignore_errors=True)
-        return None
-
-
-def _describe(tok, saved: Path) -> None:
-    """Write what the serving tokenizer needs beside transformers' files, only if it then answers as
-    transformers does (tokenizer.same_as); otherwise this entry keeps loading through transformers."""
-    meta = tokenizer.describe(tok)
-    light = tokenizer.ServingTokenizer(tokenizer.Backend.from_str(tok.backend_tokenizer.to_str()), meta)
-    differs = tokenizer.same_as(light, tok)
-    if differs is not None:
-        logger.warning("weight cache: %s loads through transformers (the light tokenizer differs in %s)",
-                       saved, differs)
-        return
-    tmp = saved / f"{os.getpid()}.tmp"
-    try:  # the backend as transformers holds it after loading, then the facts: their presence marks the entry done
-        tok.backend_tokenizer.save(str(tmp))
-        os.rename(tmp, saved / tokenizer.BACKEND)
-        tmp.write_text(json.dumps(meta))
-        os.rename(tmp, saved / tokenizer.META)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        logger.warning("weight cache: cannot write %s (%s)", saved / tokenizer.META, exc)
-
-
-def _read_tokenizer(saved: Path):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(saved))
-    except Exception as exc:  # noqa: BLE001 - a broken entry is rebuilt, never fatal
-        logger.warning("weight cache: the tokenizer in %s is unreadable (%s); rebuilding it", saved, exc)
-        shutil.rmtree(saved, ignore_errors=True)
-        return None
-
-
-def _write_tokenizer(tok, saved: Path) -> bool:
-    tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
-    try:
-        tok.save_pretrained(str(tmp))
-        os.rename(tmp, saved)  # atomic; fails if a concurrent start got there first, whose copy is as good
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if saved.is_dir():
-            return True
-        logger.warning("weight cache: cannot write %s (%s); this start is not cached", saved, exc)
-        return False
-    return True
-
-
 # ---------------------------------------------------------------- after loading
 
 def release_load_buffers() -> None:
     """Hand back what loading left behind once the model holds its packed weights: the GGUF reader
     (its mapping and the parsed vocabulary), cycles, and the heap pages the freed float weights held
     (glibc keeps freed chunks below the heap's top mapped until malloc_trim)."""
-    loader.forget_gguf_files()
+    gguf_file.forget_gguf_files()
     gc.collect()
     trim_heap()

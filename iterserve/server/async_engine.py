@@ -13,7 +13,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from iterserve.engine import Engine
@@ -22,6 +22,8 @@ from iterserve.executor.base import PoolingExecutor
 from iterserve.heap import trim_heap
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
+from iterserve.server.request_stream import _END, RequestStream
+from iterserve.server.status_log import _StatusLine, log_finished
 
 logger = logging.getLogger("iterserve.server")
 
@@ -56,8 +58,6 @@ class ShutdownTimeoutError(RequestTimeoutError):
     status, type = 503, "server_shutting_down"
 
 
-
-
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -74,60 +74,6 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
-
-
-@dataclass(slots=True, eq=False)
-class RequestStream:
-    """The outputs of one request, in order; iterate with `async for`. Closing it early aborts.
-
-    A request with n > 1 sequences yields the outputs of all of them, interleaved; each carries
-    its sequence's `index`. The stream ends when the engine thread says the request is done."""
-
-    request_id: str
-    engine: "AsyncEngine"
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False
-    unfinished: int = 1  # engine thread only: sequences still running
-    deadline: float | None = None  # engine thread only: monotonic time of --request-timeout
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                items = [await self.queue.get()]
-                while not self.queue.empty():  # a consumer that fell behind catches up in one yield
-                    items.append(self.queue.get_nowait())
-                errors = [i for i in items if isinstance(i, BaseException)]
-                if any(i is _END for i in items) and not errors:
-                    self.finished = True  # before the last yield: a consumer may stop after it
-                for out in _merge([i for i in items if isinstance(i, RequestOutput)]):
-                    yield out
-                if errors and not self.finished:
-                    self.finished = True
-                    raise errors[0]
-        finally:
-            if not self.finished:  # cancelled (client gone) or closed early: free its KV blocks
-                self.finished = True
-                self.engine.abort(self.request_id)
-
-
-_END = "end"  # queued after a request's last output
-
-
-def _merge(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    """Several step outputs as one per sequence: the deltas joined, the rest from the latest."""
-    if len(outputs) <= 1:
-        return outputs
-    latest: dict[int, RequestOutput] = {}
-    for out in outputs:
-        prev = latest.get(out.index)
-        if prev is not None:
-            out.new_text = prev.new_text + out.new_text
-            out.new_token_ids = prev.new_token_ids + out.new_token_ids
-        latest[out.index] = out
-    return list(latest.values())
 
 
 class AsyncEngine:
@@ -433,13 +379,6 @@ class AsyncEngine:
         self._post(batch)
 
 
-def log_finished(out: RequestOutput) -> None:
-    t = out.times
-    ms = lambda x: "-" if x is None else f"{1000 * x:.0f}ms"  # noqa: E731
-    logger.info("request %s %s: prompt %d tokens, output %d tokens, TTFT %s, e2e %s",
-                out.request_id, out.finish_reason, out.num_prompt_tokens, len(out.token_ids), ms(t.ttft), ms(t.e2e))
-
-
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
     if not future.done():
         future.set_result(error)
@@ -448,28 +387,3 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
 def _put_all(batch: list) -> None:
     for stream, item in batch:
         stream.queue.put_nowait(item)
-
-
-@dataclass(slots=True)
-class _StatusLine:
-    """One engine status line every `interval` seconds, only while there is work."""
-
-    interval: float
-    last: float = 0.0
-    tokens: int = 0
-
-    def idle(self) -> None:
-        self.last, self.tokens = 0.0, 0
-
-    def maybe_log(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        self.tokens += sum(len(o.new_token_ids) for o in outputs)
-        if self.last == 0.0:
-            self.last = now
-        elif now - self.last >= self.interval:
-            rate, spec = stats.spec_acceptance_rate, ""
-            if rate is not None:
-                spec = f", drafts accepted {100 * rate:.1f}% ({stats.spec_mean_accepted_len:.2f} tokens a drafted step)"
-            logger.info("engine: running %d, waiting %d, KV usage %.1f%%, %.1f tokens/s%s", stats.num_running,
-                        stats.num_queued, 100 * stats.kv_usage, self.tokens / (now - self.last), spec)
-            self.last, self.tokens = now, 0

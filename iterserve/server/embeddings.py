@@ -15,11 +15,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from iterserve.sampling_params import SamplingParams
-from iterserve.server.app import ApiError, _collect
+from iterserve.server.errors import ApiError
 from iterserve.server.protocol import MAX_PROMPTS
+from iterserve.server.streams import _collect
 
 if TYPE_CHECKING:
-    from iterserve.server.app import Routes
+    from iterserve.server.routes import Routes
 
 
 class EmbeddingRequest(BaseModel):

@@ -18,13 +18,14 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from iterserve.server.app import _STREAM_ERRORS, _UNSUPPORTED, ApiError, _collect, _SSEResponse
+from iterserve.server.errors import _UNSUPPORTED, ApiError
+from iterserve.server.streams import _STREAM_ERRORS, _collect, _SSEResponse
 from iterserve.server.protocol import ChatCompletionRequest, ResponseMessage
 from iterserve.server.reply_stream import Done, Text, reply_events
 
 if TYPE_CHECKING:
     from iterserve.outputs import RequestOutput
-    from iterserve.server.app import Chat, Routes
+    from iterserve.server.routes import Chat, Routes
 
 _STRICT = ConfigDict(extra="forbid")
 

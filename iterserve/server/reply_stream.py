@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator, Literal
 
 from iterserve.outputs import RequestOutput
-from iterserve.server.app import _check_error
+from iterserve.server.streams import _check_error
 from iterserve.server.protocol import ResponseMessage
 from iterserve.server.reasoning import ReasoningSplitter
 
 if TYPE_CHECKING:
-    from iterserve.server.app import Chat
+    from iterserve.server.routes import Chat
 
 
 @dataclass(slots=True)

@@ -21,14 +21,15 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
-from iterserve.server.app import _STREAM_ERRORS, ApiError, _collect, _SSEResponse
+from iterserve.server.errors import ApiError
+from iterserve.server.streams import _STREAM_ERRORS, _collect, _SSEResponse
 from iterserve.server.protocol import ChatCompletionRequest, ResponseMessage
 from iterserve.server.reply_stream import Done, Text, reply_events
 from iterserve.server.responses_protocol import ResponsesRequest
 
 if TYPE_CHECKING:
     from iterserve.outputs import RequestOutput
-    from iterserve.server.app import Chat, Routes
+    from iterserve.server.routes import Chat, Routes
 
 
 @dataclass

@@ -105,18 +105,18 @@ def check_steps(shapes: list[StepShape], cost: CostModel) -> list[dict]:
 
 
 def step_rows(shapes: list[StepShape]) -> list[dict]:
-    """One engine's steps as calibration rows (calibrate.fit_profile's input): each step's seconds are
+    """One engine's steps as calibration rows (calibrate_fit.fit_profile's input): each step's seconds are
     its time inside plus the busy gap after it, so a fit to them prices the engine's host work too."""
     return [{"kind": s.kind, "q_lens": s.q_lens, "ctx_lens": s.ctx_lens, "measured_s": s.end - s.start + gap}
             for s, gap in zip(shapes, busy_gaps(shapes))]
 
 
 def fit_to_steps(model, hw, rows: list[dict], rows_per_kind: int = 200):
-    """hw refitted (calibrate.fit_profile: the efficiencies and overheads; the bandwidths, peak and
+    """hw refitted (calibrate_fit.fit_profile: the efficiencies and overheads; the bandwidths, peak and
     hand-off rates kept) to a real run's own step rows: a profile that prices that run's steps as the
     machine ran them then, not as it ran minutes before. Up to rows_per_kind rows of each kind, evenly
     spaced. Returns (hardware, the fit's RMS relative error)."""
-    from iterserve.sim.calibrate import fit_profile
+    from iterserve.sim.calibrate_fit import fit_profile
     picked = []
     for kind in KINDS:
         of_kind = [r for r in rows if r["kind"] == kind]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model import cpu_kernels, cpu_paths
+from iterserve.model import cpu_arena, cpu_kernels, cpu_packing, cpu_paths
 from iterserve.model.loader import load_model_arch, load_weights
 from iterserve.model.quant import PanelWeight, linear, pack_float, panel_layout
 from iterserve.sampling_params import SamplingParams
@@ -40,8 +40,8 @@ def test_float32_matches_f_linear(m, n, k, flags):
     torch.manual_seed(m * 1000 + n + k)
     w, bias = torch.randn(n, k), torch.randn(n)
     x = torch.randn(m, 3, k)[:, 1]  # rows strided, as a slice of a wider activation
-    panels = cpu_kernels.pack_panels(w)
-    assert panels.shape == (-(-n // cpu_kernels.PANEL), k, cpu_kernels.PANEL)
+    panels = cpu_packing.pack_panels(w)
+    assert panels.shape == (-(-n // cpu_packing.PANEL), k, cpu_packing.PANEL)
     for b in (None, bias):
         got = cpu_kernels.linear(x, panels, n, b, kernel)
         assert got.shape == (m, n) and got.is_contiguous()
@@ -56,7 +56,7 @@ def test_bfloat16_is_summed_in_float32_and_rounded_once(m, n, k, flags):
     """bf16 in and out: the float32 product of the bf16 values, plus bias, rounded to bf16 once."""
     torch.manual_seed(m + n + k)
     w, x, bias = (torch.randn(*s).bfloat16() for s in ((n, k), (m, k), (n,)))
-    got = cpu_kernels.linear(x, cpu_kernels.pack_panels(w), n, bias, kernel)
+    got = cpu_kernels.linear(x, cpu_packing.pack_panels(w), n, bias, kernel)
     want = F.linear(x.float(), w.float(), bias.float()).bfloat16()
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=2 ** -7)  # a last-bit flip at most
@@ -72,7 +72,7 @@ def test_bfloat16_panels_under_float32_activations(m, n, k, flags):
     torch.manual_seed(7 * m + n + k)
     w, bias = torch.randn(n, k).bfloat16(), torch.randn(n)
     x = torch.randn(m, 3, k)[:, 1]
-    panels = cpu_kernels.pack_panels(w)
+    panels = cpu_packing.pack_panels(w)
     assert panels.dtype == torch.bfloat16
     for b in (None, bias):
         got = cpu_kernels.linear(x, panels, n, b, kernel)
@@ -95,9 +95,9 @@ def test_bfloat16_pairs_are_summed_in_float32_and_rounded_once(m, n, k):
     torch.manual_seed(m + 3 * n + k)
     w, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     x = torch.randn(m, 3, k).bfloat16()[:, 1]
-    panels = cpu_kernels.pack_panels(w, pairs=True)
-    assert panels.shape == (-(-n // cpu_kernels.PANEL), k // 2, cpu_kernels.PANEL, 2)
-    assert cpu_kernels.panel_in_features(panels) == k
+    panels = cpu_packing.pack_panels(w, pairs=True)
+    assert panels.shape == (-(-n // cpu_packing.PANEL), k // 2, cpu_packing.PANEL, 2)
+    assert cpu_packing.panel_in_features(panels) == k
     for b in (None, bias):
         got = cpu_kernels.linear(x, panels, n, b)
         want = F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
@@ -105,18 +105,18 @@ def test_bfloat16_pairs_are_summed_in_float32_and_rounded_once(m, n, k):
         torch.testing.assert_close(got.float(), want.float(), atol=1e-5, rtol=2 ** -7)
         assert (got != want).float().mean().nan_to_num() < 0.02
     ids = torch.tensor([n - 1, 0, n // 2])  # a tied embedding's lookups read the head's panels
-    assert torch.equal(cpu_kernels.panel_rows(panels, ids), w[ids])
+    assert torch.equal(cpu_packing.panel_rows(panels, ids), w[ids])
 
 
 def test_the_pairs_layout_wants_bfloat16_and_an_even_k_and_a_bf16_build():
     with pytest.raises(ValueError, match="even number of inputs"):
-        cpu_kernels.pack_panels(torch.randn(8, 5).bfloat16(), pairs=True)
+        cpu_packing.pack_panels(torch.randn(8, 5).bfloat16(), pairs=True)
     with pytest.raises(ValueError, match="even number of inputs"):
-        cpu_kernels.pack_panels(torch.randn(8, 4), pairs=True)
+        cpu_packing.pack_panels(torch.randn(8, 4), pairs=True)
     if cpu_kernels.linear_kernel(("-mno-avx512bf16",)) is None:
         pytest.skip("cpu_linear.cpp not built here")
     assert not cpu_kernels.linear_pairs_supported(("-mno-avx512bf16",))
-    panels = cpu_kernels.pack_panels(torch.randn(8, 4).bfloat16(), pairs=True)
+    panels = cpu_packing.pack_panels(torch.randn(8, 4).bfloat16(), pairs=True)
     with pytest.raises(ValueError, match="no AVX-512 BF16"):
         cpu_kernels.linear(torch.randn(2, 4).bfloat16(), panels, 8, None, cpu_kernels.linear_kernel(("-mno-avx512bf16",)))
 
@@ -190,12 +190,12 @@ def test_a_build_without_avx2_declines_and_the_weights_stay_onednns(monkeypatch)
 
 
 def test_panels_are_carved_from_shared_huge_page_mappings_and_freed_with_their_weights():
-    if cpu_kernels._arena is None:
+    if cpu_arena._arena is None:
         pytest.skip("no MADV_HUGEPAGE on this OS")
     ws = [torch.randn(n, 40) for n in (64, 33, 200)]
     for w in ws:  # the layout, read back through the kernel
-        torch.testing.assert_close(cpu_kernels.linear(torch.eye(40), cpu_kernels.pack_panels(w), w.shape[0]), w.t())
-    arena = cpu_kernels._HugePageArena()  # its own, so no other test's weights share the mapping
+        torch.testing.assert_close(cpu_kernels.linear(torch.eye(40), cpu_packing.pack_panels(w), w.shape[0]), w.t())
+    arena = cpu_arena._HugePageArena()  # its own, so no other test's weights share the mapping
     tensors = [arena.empty(shape, dtype) for shape, dtype in [((3, 5), torch.float32), ((7,), torch.bfloat16),
                                                                ((2, 40, 32), torch.float32)]]
     assert all(t.data_ptr() % 64 == 0 and t.is_contiguous() for t in tensors)
@@ -230,7 +230,7 @@ def test_bfloat16_weights_take_the_panels_cpu_paths_chose():
 
 needs_int8 = pytest.mark.skipif(not cpu_kernels.linear_int8_supported(),
                                 reason="no AVX-512 VNNI build of cpu_linear.cpp here")
-GROUP = cpu_kernels.INT8_GROUP
+GROUP = cpu_packing.INT8_GROUP
 
 
 def w8a8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -256,10 +256,10 @@ def w8a8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
 
 def test_int8_panels_layout():
     w = torch.randn(40, 100)
-    panels = cpu_kernels.pack_int8_panels(w)
+    panels = cpu_packing.pack_int8_panels(w)
     kp = 2 * GROUP  # 100 inputs rounded up to two groups
     assert panels.dtype == torch.int8 and panels.shape == (2, kp * 32 + 4 * 32 * (1 + 2))
-    assert cpu_kernels.panel_in_features(panels) == kp
+    assert cpu_packing.panel_in_features(panels) == kp
     codes = panels[:, :kp * 32].view(2, kp // 4, 32, 4).transpose(1, 2).reshape(64, kp)
     tail = panels[:, kp * 32:].view(torch.float32)
     scales = tail[:, :32].reshape(64)
@@ -281,7 +281,7 @@ def test_int8_panels_compute_the_quantized_product(m, n, k, dtype):
     w, bias = torch.randn(n, k), torch.randn(n).to(dtype)
     x = torch.randn(m, 3, k)[:, 1].to(dtype)
     x[:, :1] *= 30  # an outlier channel: its group's scale is coarse, the others' are not
-    panels = cpu_kernels.pack_int8_panels(w)
+    panels = cpu_packing.pack_int8_panels(w)
     for b in (None, bias):
         got = cpu_kernels.linear(x, panels, n, b)
         assert got.shape == (m, n) and got.dtype == dtype and got.is_contiguous()
@@ -328,8 +328,8 @@ def test_int8_weight_panels_compute_codes_times_scales(m, n, k):
     """Weight-only int8 (--quantization int8 on AVX2): the codes times each row's scale, against x as the
     kernel codes it (check_x_coded)."""
     torch.manual_seed(5 * m + n + k)
-    q, scales = cpu_kernels.int8_codes(torch.randn(n, k))
-    panels = cpu_kernels.pack_int8_weight_panels(q, scales)
+    q, scales = cpu_packing.int8_codes(torch.randn(n, k))
+    panels = cpu_packing.pack_int8_weight_panels(q, scales)
     check_x_coded(cpu_kernels.linear_int8_weights, panels, q.float() * scales[:, None], m)
 
 
@@ -360,12 +360,12 @@ def test_weight_only_panels_pass_a_nan_on_to_its_row(k, at):
     16-bit codes; the other rows are untouched."""
     x = torch.randn(3, k)
     x[1, at] = float("nan")
-    q, scales = cpu_kernels.int8_codes(torch.randn(40, k))
-    cases = [(cpu_kernels.linear_int8_weights, cpu_kernels.pack_int8_weight_panels(q, scales))]
-    if k % cpu_kernels.INT4_GROUP == 0:
+    q, scales = cpu_packing.int8_codes(torch.randn(40, k))
+    cases = [(cpu_kernels.linear_int8_weights, cpu_packing.pack_int8_weight_panels(q, scales))]
+    if k % cpu_packing.INT4_GROUP == 0:
         q4 = torch.randint(0, 16, (40, k))
-        cases.append((cpu_kernels.linear_int4_weights, cpu_kernels.pack_int4_weight_panels(
-            q4, torch.ones(40, k // cpu_kernels.INT4_GROUP), torch.zeros(40, k // cpu_kernels.INT4_GROUP))))
+        cases.append((cpu_kernels.linear_int4_weights, cpu_packing.pack_int4_weight_panels(
+            q4, torch.ones(40, k // cpu_packing.INT4_GROUP), torch.zeros(40, k // cpu_packing.INT4_GROUP))))
     for linear, panels in cases:
         y = linear(x, panels, 40, k, kernel=cpu_kernels.linear_kernel(AVX2_BUILD))
         assert y[1].isnan().all() and y[[0, 2]].isfinite().all()
@@ -381,12 +381,12 @@ def test_int4_weight_panels_compute_codes_times_scales_plus_minimums(m, n, k):
     """Weight-only int4 (--quantization int4 on AVX2): each group's codes times its scale plus its minimum
     (bf16 both), against x as the kernel codes it (check_x_coded)."""
     torch.manual_seed(7 * m + n + k)
-    groups = k // cpu_kernels.INT4_GROUP
+    groups = k // cpu_packing.INT4_GROUP
     q = torch.randint(0, 16, (n, k))
     scales = (torch.rand(n, groups) + 0.1).bfloat16().float()  # what the panels hold, so exact
     minimums = torch.randn(n, groups).bfloat16().float()
-    w = q * scales.repeat_interleave(cpu_kernels.INT4_GROUP, 1) + minimums.repeat_interleave(cpu_kernels.INT4_GROUP, 1)
-    check_x_coded(cpu_kernels.linear_int4_weights, cpu_kernels.pack_int4_weight_panels(q, scales, minimums), w, m)
+    w = q * scales.repeat_interleave(cpu_packing.INT4_GROUP, 1) + minimums.repeat_interleave(cpu_packing.INT4_GROUP, 1)
+    check_x_coded(cpu_kernels.linear_int4_weights, cpu_packing.pack_int4_weight_panels(q, scales, minimums), w, m)
 
 
 @needs_kernel
@@ -395,12 +395,12 @@ def test_weight_only_panels_are_declined_by_a_build_without_them():
     declining = [flags for flags in [(), AVX2_BUILD] if not cpu_kernels.linear_weight_only_supported(flags)]
     if not declining:
         pytest.skip("every build here has them (AVX2 without AVX-512)")
-    q, scales = cpu_kernels.int8_codes(torch.randn(40, 64))
-    panels = cpu_kernels.pack_int8_weight_panels(q, scales)
+    q, scales = cpu_packing.int8_codes(torch.randn(40, 64))
+    panels = cpu_packing.pack_int8_weight_panels(q, scales)
     for flags in declining:
         with pytest.raises(ValueError, match="weight-only int8"):
             cpu_kernels.linear_int8_weights(torch.randn(2, 64), panels, 40, 64, kernel=cpu_kernels.linear_kernel(flags))
-    panels = cpu_kernels.pack_int4_weight_panels(torch.randint(0, 16, (40, 64)), torch.ones(40, 2), torch.zeros(40, 2))
+    panels = cpu_packing.pack_int4_weight_panels(torch.randint(0, 16, (40, 64)), torch.ones(40, 2), torch.zeros(40, 2))
     for flags in declining:
         with pytest.raises(ValueError, match="weight-only int4"):
             cpu_kernels.linear_int4_weights(torch.randn(2, 64), panels, 40, 64, kernel=cpu_kernels.linear_kernel(flags))

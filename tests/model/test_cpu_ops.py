@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iterserve.model import cpu_kernels
+from iterserve.model import cpu_build, cpu_kernels
 from iterserve.model.llama import _rope
 
 needs_ops = pytest.mark.skipif(cpu_kernels.elementwise_ops() is None, reason="cpu_ops.cpp not built here")
@@ -41,7 +41,7 @@ def fake_compiler(monkeypatch, tmp_path):
     if shutil.which("g++") is None:
         pytest.skip("no g++ here")
     log, compiler = tmp_path / "compiles.log", tmp_path / "fake-cxx"
-    compiler.write_text(FAKE_COMPILER.format(log=log, n=len(cpu_kernels.DEFAULT_BUILDS), cxx=shutil.which("g++")))
+    compiler.write_text(FAKE_COMPILER.format(log=log, n=len(cpu_build.DEFAULT_BUILDS), cxx=shutil.which("g++")))
     compiler.chmod(0o755)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(compiler))
@@ -51,29 +51,29 @@ def fake_compiler(monkeypatch, tmp_path):
 def test_prebuild_compiles_every_library_side_by_side_once(fake_compiler):
     """A cold start's compiles run at once (prebuild), and a kernel's own build waits for its compile
     under way instead of starting a second."""
-    log, n = fake_compiler, len(cpu_kernels.DEFAULT_BUILDS)
-    cpu_kernels.prebuild()
-    assert all(cpu_kernels._build(source, flags) is not None for source, flags in cpu_kernels.DEFAULT_BUILDS)
+    log, n = fake_compiler, len(cpu_build.DEFAULT_BUILDS)
+    cpu_build.prebuild()
+    assert all(cpu_build._build(source, flags) is not None for source, flags in cpu_build.DEFAULT_BUILDS)
     assert log.read_text().count("start") == n
-    cpu_kernels.prebuild()  # built and cached: nothing compiles again
-    assert cpu_kernels._build(*cpu_kernels.DEFAULT_BUILDS[0]) is not None
+    cpu_build.prebuild()  # built and cached: nothing compiles again
+    assert cpu_build._build(*cpu_build.DEFAULT_BUILDS[0]) is not None
     assert log.read_text().count("start") == n
 
 
 def test_prebuild_at_install_returns_with_every_library_built(fake_compiler):
-    cpu_kernels.prebuild(wait=True)
-    assert sorted(p.name.split("-")[0] for p in cpu_kernels.cache_dir().glob("*.so")) == \
-        sorted(source.stem for source, _ in cpu_kernels.DEFAULT_BUILDS)
+    cpu_build.prebuild(wait=True)
+    assert sorted(p.name.split("-")[0] for p in cpu_build.cache_dir().glob("*.so")) == \
+        sorted(source.stem for source, _ in cpu_build.DEFAULT_BUILDS)
 
 
 def test_no_compiler_is_said_once(monkeypatch, tmp_path, caplog):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or c++ on it
-    monkeypatch.setattr(cpu_kernels, "_no_compiler_said", threading.Event())
+    monkeypatch.setattr(cpu_build, "_no_compiler_said", threading.Event())
     with caplog.at_level("WARNING", logger="iterserve.model"):
         for _ in range(3):
-            cpu_kernels.prebuild()
-        assert all(cpu_kernels._build(source, flags) is None for source, flags in cpu_kernels.DEFAULT_BUILDS)
+            cpu_build.prebuild()
+        assert all(cpu_build._build(source, flags) is None for source, flags in cpu_build.DEFAULT_BUILDS)
     assert sum("no C++ compiler" in r.getMessage() for r in caplog.records) == 1
 
 

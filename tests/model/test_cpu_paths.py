@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iterserve.model import cpu_kernels, cpu_paths
+from iterserve.model import cpu_build, cpu_kernels, cpu_packing, cpu_paths
 
 ZEN3 = b"flags : fpu sse2 avx fma avx2 bmi2"
 SKYLAKE_X = ZEN3 + b" avx512f avx512bw avx512_vnni"
@@ -47,7 +47,7 @@ def test_what_the_build_lacks_the_cpu_does_not_get():
 
 def test_this_machine_runs_what_cpu_paths_says():
     paths = cpu_paths.current()
-    assert paths == cpu_paths.decide(cpu_kernels.cpu_flags(), kernels=paths.kernels, pairs=paths.bf16_layout == "pairs",
+    assert paths == cpu_paths.decide(cpu_build.cpu_flags(), kernels=paths.kernels, pairs=paths.bf16_layout == "pairs",
                                      amx=paths.amx_tiles, w8a8=paths.w8a8, weight_only=paths.weight_only_panels)
     assert paths.kernels == (cpu_kernels.linear_kernel() is not None)
     if paths.isa in ("avx512", "avx512_bf16", "amx") and paths.kernels:
@@ -79,7 +79,7 @@ def test_amx_tiles_sum_the_pairs_as_the_vdpbf16ps_tiles_do(m, n, k):
     torch.manual_seed(m * 7 + n + k)
     w, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     x = torch.randn(m, 2, k).bfloat16()[:, 1]
-    panels = cpu_kernels.pack_panels(w, pairs=True)
+    panels = cpu_packing.pack_panels(w, pairs=True)
     for b in (None, bias):
         got = cpu_kernels.linear(x, panels, n, b)
         dpbf16 = cpu_kernels.linear(x, panels, n, b, cpu_kernels.linear_kernel(NO_AMX))
@@ -93,7 +93,7 @@ def test_amx_tiles_sum_the_pairs_as_the_vdpbf16ps_tiles_do(m, n, k):
 def test_amx_keeps_a_nan_in_its_row():
     w, x = torch.randn(64, 64).bfloat16(), torch.randn(20, 64).bfloat16()
     x[5, 9] = float("nan")
-    got = cpu_kernels.linear(x, cpu_kernels.pack_panels(w, pairs=True), 64)
+    got = cpu_kernels.linear(x, cpu_packing.pack_panels(w, pairs=True), 64)
     assert got[5].isnan().all() and not got[torch.arange(20) != 5].isnan().any()
 
 
@@ -120,7 +120,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     """One row alone, in a block of 16, in 32 + a partial block: the same bits (a speculative verify step
     and a decode step must agree), on AMX tiles as on vdpbf16ps."""
     w, x = torch.randn(96, 576).bfloat16(), torch.randn(40, 576).bfloat16()
-    panels = cpu_kernels.pack_panels(w, pairs=True)
+    panels = cpu_packing.pack_panels(w, pairs=True)
     for kernel in (None, cpu_kernels.linear_kernel(NO_AMX)):
         alone = torch.cat([cpu_kernels.linear(x[i:i + 1], panels, 96, None, kernel) for i in range(40)])
         for m in (2, 16, 33, 40):

@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model import gguf_quant, loader, weight_cache
+from iterserve.model import cache_entry, gguf_quant, loader, weight_cache
 from iterserve.model.quant import Int4Weight, Int8Codes, Int8Weight, linear
 from iterserve.model.quant import quantize as serve
 from tests.model.test_loader import write_tiny_gguf
@@ -159,7 +159,7 @@ def test_a_model_that_cannot_fit_is_refused_before_loading(q4_k_m, monkeypatch):
 
 def test_the_cache_holds_the_served_codes_and_a_warm_start_reads_no_gguf(q4_k_m, monkeypatch):
     cold = runner(q4_k_m)
-    (entry,) = entries(weight_cache.cache_root())
+    (entry,) = entries(cache_entry.cache_root())
     assert not (entry / "model.safetensors").exists()  # no float32 model on disk
     assert (entry / "native.safetensors").is_file() and list(entry.glob("panels-*int4*.safetensors"))
 

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from iterserve.engine.detokenizer import Detokenizer
-from iterserve.model import loader, tokenizer as serving, weight_cache
+from iterserve.model import cache_entry, loader, tokenizer as serving, tokenizer_cache, weight_cache
 
 TEXTS = ["Hello, world!", "  spaces\tand\nnewlines  ", "<|im_start|>user\nhé 漢字 🙂<|im_end|>", "don't . , ? ! it's",
          "", " ", "<|im_end|><|im_end|>", "def f(x):\n    return {'a': x}  # ½ ∑", "<|endoftext|>x<|im_start|>"]
@@ -95,7 +95,7 @@ def test_an_entry_from_before_is_upgraded_in_place(default_model_path, tokenizer
     monkeypatch.setenv("ITERSERVE_WEIGHT_CACHE", str(tmp_path))
     monkeypatch.setattr(loader, "load_tokenizer", lambda path: tokenizer)
     weight_cache.load_tokenizer(default_model_path)
-    saved = weight_cache.entry_dir(default_model_path) / "tokenizer"
+    saved = cache_entry.entry_dir(default_model_path) / "tokenizer"
     (saved / serving.META).unlink()  # as an older iterserve left it: transformers' files only
     assert type(weight_cache.load_tokenizer(default_model_path)) is not serving.ServingTokenizer
     assert type(weight_cache.load_tokenizer(default_model_path)) is serving.ServingTokenizer
@@ -105,7 +105,7 @@ def test_a_broken_entry_is_rebuilt(default_model_path, tokenizer, tmp_path, monk
     monkeypatch.setenv("ITERSERVE_WEIGHT_CACHE", str(tmp_path))
     monkeypatch.setattr(loader, "load_tokenizer", lambda path: tokenizer)
     weight_cache.load_tokenizer(default_model_path)
-    saved = weight_cache.entry_dir(default_model_path) / "tokenizer"
+    saved = cache_entry.entry_dir(default_model_path) / "tokenizer"
     (saved / serving.BACKEND).write_text("{not json")
     tok = weight_cache.load_tokenizer(default_model_path)
     assert tok.encode("Hello") == list(tokenizer.encode("Hello"))
@@ -159,7 +159,7 @@ def test_tiny_tokenizers_served_as_transformers(build, tmp_path):
     backend, special = build()
     PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=TOOL_TEMPLATE, **special).save_pretrained(tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)  # as the weight cache reads an entry back
-    weight_cache._describe(tok, tmp_path)
+    tokenizer_cache._describe(tok, tmp_path)
     light = serving.ServingTokenizer.from_dir(tmp_path)
     assert light.clean_up_tokenization_spaces == ("clean_up_tokenization_spaces" in special)
     assert_same(light, tok)

@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as Q
 
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model import cpu_kernels, loader, weight_cache
+from iterserve.model import cpu_kernels, cpu_packing, loader, weight_cache
+from iterserve.model.panel_cache import _map_panels
 from iterserve.model.quant import Int4Weight, Int8Weight, panel_layout, panel_tensor
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -212,8 +213,8 @@ def test_a_corrupt_or_foreign_panel_file_is_packed_again(gguf, cache, monkeypatc
         with caplog.at_level(logging.WARNING, logger="iterserve.model"):
             got = prompt_logits(runner_of(gguf, dtype="float32"))
         assert "unreadable" in caplog.text and torch.equal(got, want)
-        key = f"{file.parent.name}-float32-{cpu_kernels.PANEL}"
-        assert len(weight_cache._map_panels(file, key)) == 2 * 4 + 1  # written again whole
+        key = f"{file.parent.name}-float32-{cpu_packing.PANEL}"
+        assert len(_map_panels(file, key)) == 2 * 4 + 1  # written again whole
         caplog.clear()
 
 

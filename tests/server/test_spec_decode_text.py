@@ -90,7 +90,7 @@ def test_server_streams_several_tokens_a_step_and_counts_drafts(tokenizer):
 
 
 def test_the_status_line_shows_the_acceptance(tokenizer, caplog):
-    from iterserve.server.async_engine import _StatusLine
+    from iterserve.server.status_log import _StatusLine
     spec_engine = engine(tokenizer, True)
     generate(spec_engine, PROMPT, SamplingParams(max_tokens=20, temperature=0))
     stats, line = spec_engine.stats, _StatusLine(interval=0.0)

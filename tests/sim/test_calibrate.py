@@ -3,7 +3,9 @@ import json
 
 import pytest
 
-from iterserve.sim.calibrate import MORE_POINTS, QUICK_POINTS, fit_profile, parse_points, predict_rows
+from iterserve.sim.calibrate import MORE_POINTS, QUICK_POINTS
+from iterserve.sim.calibrate_fit import fit_profile, predict_rows
+from iterserve.sim.calibrate_measure import parse_points
 from iterserve.sim.cli import main as simulate_main
 from iterserve.sim.hardware import HardwareSpec, get_hardware
 from iterserve.sim.model_spec import get_model_spec
@@ -70,7 +72,7 @@ def test_points_parse_and_bad_ones_are_named():
 def test_mixed_points_fit_the_mixed_overheads_and_leave_the_rest_alone():
     """A machine whose mixed steps cost 20 ms + 3 ms per decode row beyond their parts: the fit without the
     mixed points is the same as before, and the mixed terms are recovered from them."""
-    from iterserve.sim.calibrate import _plan
+    from iterserve.sim.calibrate_measure import _plan
     spec = get_model_spec("smollm2-135m")
     base = HardwareSpec("cpu", memory_bytes=16 << 30, mem_bandwidth=10e9, peak_flops=100e9, reserved_bytes=0,
                         fused_attention=False)
@@ -100,7 +102,8 @@ def test_mixed_points_fit_the_mixed_overheads_and_leave_the_rest_alone():
 
 @pytest.mark.slow
 def test_neighbour_flag_takes_one_point_and_a_dead_neighbour_is_named(tmp_path, capsys):
-    from iterserve.sim.calibrate import main as calibrate_main, neighbour
+    from iterserve.sim.calibrate import main as calibrate_main
+    from iterserve.sim.calibrate_measure import neighbour
     with pytest.raises(SystemExit):
         calibrate_main(["--neighbor", "decode:1:8,prefill:1:8", "--output", str(tmp_path / "x.json")])
     assert "--neighbor takes one point" in capsys.readouterr().err
@@ -121,7 +124,7 @@ def test_kv_handoff_is_timed_through_the_shared_memory_transport():
     into a pool of its own: both directions are timed."""
     import torch
 
-    from iterserve.sim.calibrate import measure_kv_handoff
+    from iterserve.sim.calibrate_measure import measure_kv_handoff
 
     class Runner:
         block_size = 16
