@@ -2,6 +2,7 @@
 
 Torch-free. The scheduler asks `allocate_slots(request, n)` before scheduling n more tokens of a
 request; `None` means the pool cannot serve them now (the scheduler then preempts or waits).
+The pools and the per-request lists are private: callers use the methods, and read counters from `stats`.
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ class KVCacheManager:
         return num_tokens
 
     def mark_computing(self, request: Request, computed: list[Block]) -> None:
-        """Promise the request's uncached full prompt blocks (see `computing`); called on admission."""
+        """Promise the request's uncached full prompt blocks (see `_computing`); called on admission."""
         if not self._pool.enable_caching:
             return
         num_blocks = request.num_prompt_tokens // self.block_size
