@@ -89,7 +89,7 @@ def rss_bytes() -> int:
 def held(async_engine) -> dict[str, int]:
     engine = async_engine.engine
     s = engine.scheduler
-    return {"kv_blocks_used": s.kv.pool.num_blocks - s.kv.pool.num_free_blocks, "scheduler_requests": len(s.requests),
+    return {"kv_blocks_used": s.kv.num_blocks - s.kv.num_free_blocks, "scheduler_requests": len(s.requests),
             "engine_states": len(engine.states), "open_streams": async_engine.num_open_requests}
 
 

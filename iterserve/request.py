@@ -83,7 +83,8 @@ class Request:
     arrival_seq: int = 0  # tie-breaker for FCFS order, set by the scheduler
     stop_reason: int | str | None = None
     # Chained prefix hashes of its full blocks (kv/), each computed once: a full block's tokens never
-    # change after it is hashed, and prefix lookups, promises and registration all read this list.
+    # change after it is hashed, and prefix lookups, promises, registration and the P/D hand-off all
+    # read this list (the only copy: the KV manager keeps just how many of them it has registered).
     block_hashes: list[bytes] = field(default_factory=list)
     pooled: list[float] | None = None  # a pooling request's embedding, set when its prompt is done
 

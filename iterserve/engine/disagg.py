@@ -15,7 +15,7 @@ from collections import deque
 
 from iterserve.engine.engine import Engine
 from iterserve.executor.base import KVBlockIO
-from iterserve.kv_transfer.connector import HandoffMeta, KVConnector
+from iterserve.kv_transfer.connector import KVConnector
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 
@@ -86,13 +86,7 @@ class PrefillEngine:
     def _hand_off(self, request_id: str) -> str | None:
         """Send the request's prompt blocks; free them whatever happened. Returns an error, or None."""
         engine = self.engine
-        request = engine.scheduler.requests[request_id]
-        kv, bs, n = engine.scheduler.kv, engine.scheduler.block_size, request.num_prompt_tokens
-        blocks = engine.executor.read_blocks(kv.block_table(request_id)[:-(-n // bs)])
-        hashes = kv.req_hashes.get(request_id, [])[:n // bs]
-        meta = HandoffMeta(request.prompt_token_ids, request.output_token_ids[0], request.sampling_params,
-                           request.times.arrival, request.times.first_token, request.priority, request.cache_salt,
-                           self.decode_targets.pop(request_id, None))
+        blocks, hashes, meta = engine.blocks_to_hand_off(request_id, self.decode_targets.pop(request_id, None))
         try:
             self.connector.send(request_id, blocks, hashes, meta)
         except Exception as exc:  # the decode side is gone or the link broke: this request fails, we go on

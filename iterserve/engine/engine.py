@@ -14,14 +14,14 @@ import time
 import uuid
 from collections import deque
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 from iterserve.config import EngineConfig
 from iterserve.engine.output_processor import OutputProcessor, OutputState
 from iterserve.engine.spec_decode import NgramProposer, draftable
 from iterserve.engine.stats import EngineStats
 from iterserve.executor.base import Executor, ExecutorDeadError, check_executor
-from iterserve.kv_transfer.connector import KVTransfer
+from iterserve.kv_transfer.connector import HandoffMeta, KVTransfer
 from iterserve.outputs import RequestOutput, StepRecord
 from iterserve.request import Request, RequestStatus, RequestTimes
 from iterserve.sampling_params import SamplingParams
@@ -85,13 +85,16 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        s, kv = self.scheduler, self.scheduler.kv
-        return EngineStats(len(s.running), len(s.waiting), len(s.swapped), kv.usage, kv.num_blocks,
-                           kv.pool.num_free_blocks, s.num_preemptions, kv.num_prefix_queries, kv.num_prefix_hits,
-                           self.num_steps, s.max_model_len, self.step_records[-1] if self.step_records else None,
-                           self.num_kv_transfers_recomputed, num_spec_drafts=s.num_drafts,
-                           num_spec_draft_tokens=s.num_draft_tokens, num_spec_accepted_tokens=s.num_accepted_tokens,
-                           num_queued_tokens=s.num_waiting_tokens)
+        s = self.scheduler.stats
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
+            kv_usage=s.kv.usage, num_kv_blocks=s.kv.num_blocks, num_free_kv_blocks=s.kv.num_free_blocks,
+            num_preemptions=s.num_preemptions, num_prefix_queries=s.kv.num_prefix_queries,
+            num_prefix_hits=s.kv.num_prefix_hits, num_steps=self.num_steps, max_model_len=s.max_model_len,
+            last_step=self.step_records[-1] if self.step_records else None,
+            num_kv_transfers_recomputed=self.num_kv_transfers_recomputed, num_spec_drafts=s.num_spec_drafts,
+            num_spec_draft_tokens=s.num_spec_draft_tokens, num_spec_accepted_tokens=s.num_spec_accepted_tokens,
+            num_queued_tokens=s.num_waiting_tokens)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -170,6 +173,17 @@ class Engine:
         request.status = RequestStatus.WAITING
         self.scheduler.add_request(request)
         self.num_kv_transfers_recomputed += 1
+
+    def blocks_to_hand_off(self, request_id: str,
+                           decode_target: str | None = None) -> tuple[Any, list[bytes], HandoffMeta]:
+        """Prefill side: what a decode engine needs to carry on a request whose first token is out: its
+        prompt's KV blocks, the prefix hashes of its full prompt blocks, and the rest (HandoffMeta)."""
+        request, block_ids, hashes = self.scheduler.prompt_blocks(request_id)
+        blocks = self.executor.read_blocks(block_ids)
+        meta = HandoffMeta(request.prompt_token_ids, request.output_token_ids[0], request.sampling_params,
+                           request.times.arrival, request.times.first_token, request.priority, request.cache_salt,
+                           decode_target)
+        return blocks, hashes, meta
 
     def release(self, request_id: str) -> None:
         """Prefill side: drop a request, with no output, whose blocks were handed to a decode engine."""

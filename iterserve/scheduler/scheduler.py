@@ -8,13 +8,30 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from iterserve.config import EngineConfig
-from iterserve.kv.kv_cache_manager import KVCacheManager, cdiv
+from iterserve.kv.kv_cache_manager import KVCacheManager, KVCacheStats, cdiv
 from iterserve.kv.spec import KVCacheSpec
 from iterserve.request import Request, RequestStatus
 from iterserve.scheduler.output import SchedulerOutput, ScheduledRequest, StepResult
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    """The scheduler's and its KV manager's counters, handed to the engine's stats (engine/stats.py)."""
+
+    num_running: int
+    num_waiting: int  # waiting and recompute-preempted requests
+    num_waiting_tokens: int  # their tokens (none computed): admission by --max-num-queued-tokens reads it
+    num_swapped: int  # swap-preempted requests
+    num_preemptions: int  # since start
+    max_model_len: int
+    num_spec_drafts: int  # speculative decoding, since start: requests' steps that carried drafts,
+    num_spec_draft_tokens: int  # the drafts verified,
+    num_spec_accepted_tokens: int  # and of those the ones accepted
+    kv: KVCacheStats
 
 
 class Scheduler:
@@ -81,6 +98,14 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._start_running(request)
         return len(computed), [b.block_id for b in new]
+
+    def prompt_blocks(self, request_id: str) -> tuple[Request, list[int], list[bytes]]:
+        """A request whose prompt is computed, to hand to another engine (a prefill engine's side): it,
+        the ids of the blocks holding its prompt, and the prefix hashes of its full prompt blocks that
+        are in the cache (none without prefix caching)."""
+        request = self.requests[request_id]
+        n, bs = request.num_prompt_tokens, self.block_size
+        return request, self.kv.block_table(request_id)[:cdiv(n, bs)], self.kv.cached_hashes(request)[:n // bs]
 
     def _check_new(self, request: Request) -> None:
         n = request.num_prompt_tokens
@@ -193,7 +218,7 @@ class Scheduler:
             computed, held = request.num_computed_tokens, len(self.kv.blocks_of(request.request_id))
             new_blocks = cdiv(computed + n, self.block_size) - held
             if new_blocks > max(0, cdiv(computed + todo, self.block_size) - held) and \
-                    new_blocks > self.kv.pool.num_free_blocks - num_after:
+                    new_blocks > self.kv.num_free_blocks - num_after:
                 del self.drafts[request.request_id]
                 n = min(todo, budget)
         return n
@@ -361,7 +386,7 @@ class Scheduler:
         num_drafts = max(0, end - len(tokens))
         new = tokens[start:end] if not num_drafts else tokens[start:] + self.drafts[request.request_id][:num_drafts]
         return ScheduledRequest(  # positional: built for every request in every step
-            request.request_id, new, start, self.kv.req_block_ids[request.request_id],
+            request.request_id, new, start, self.kv.block_table(request.request_id),
             end >= len(tokens), request.sampling_params, len(request.output_token_ids),
             request.prompt_token_ids, request.output_token_ids, False, num_drafts)
 
@@ -445,6 +470,14 @@ class Scheduler:
         return None
 
     # ---- introspection ----------------------------------------------------------------------
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_waiting_tokens=self.num_waiting_tokens,
+            num_swapped=len(self.swapped), num_preemptions=self.num_preemptions, max_model_len=self.max_model_len,
+            num_spec_drafts=self.num_drafts, num_spec_draft_tokens=self.num_draft_tokens,
+            num_spec_accepted_tokens=self.num_accepted_tokens, kv=self.kv.stats)
+
     @property
     def kv_usage(self) -> float:
         return self.kv.usage

@@ -25,7 +25,7 @@ def test_bad_prompt(engine, prompt, params, message):
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))  # still usable
     while engine.has_unfinished():
         engine.step()
-    assert engine.scheduler.kv.pool.num_free_blocks == 16
+    assert engine.scheduler.kv.num_free_blocks == 16
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -80,7 +80,7 @@ def generate(runner, prompts, one_at_a_time=False, num_tokens=NEW_TOKENS, groups
             for o in engine.step():
                 if o.finished:
                     results[o.request_id] = (o.token_ids, [{t for t, _ in lp.top} for lp in o.logprobs])
-    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     return [results[str(i)] for i in range(len(prompts))], engine
 
 

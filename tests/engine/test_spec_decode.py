@@ -17,6 +17,7 @@ from iterserve.executor.sampler import verify_random_drafts
 from iterserve.model.loader import load_model_arch, load_weights
 from iterserve.sampling_params import SamplingParams, StructuredOutputs
 from tests.engine.test_greedy_reference import PROMPT_LENS, TEXT
+from tests.kv.invariants import holders
 from tests.model.test_cpu_linear import needs_int8
 from tests.model.test_llama import tiny_checkpoint
 
@@ -152,7 +153,7 @@ def run(runner, prompts, params, **config) -> tuple[list, Engine]:
             if out.finished:
                 final[out.request_id] = out
     kv = engine.scheduler.kv
-    assert kv.pool.num_free_blocks == kv.num_blocks and not kv.req_blocks, "a block outlived its request"
+    assert kv.num_free_blocks == kv.num_blocks and not holders(kv), "a block outlived its request"
     return [final[i] for i in ids], engine
 
 
@@ -238,7 +239,7 @@ def run_engine(engine: Engine, prompts, params):
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     return [final[i] for i in ids], engine
 
 

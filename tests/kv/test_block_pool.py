@@ -82,7 +82,7 @@ def test_allocate_returns_none_when_pool_is_short():
     kv = KVCacheManager(num_blocks=2, block_size=4)
     r = make_request("a", list(range(9)))
     assert kv.allocate_slots(r, 9) is None
-    assert kv.pool.num_free_blocks == 2 and kv.blocks_of("a") == []
+    assert kv.num_free_blocks == 2 and kv.blocks_of("a") == []
 
 
 @settings(max_examples=200, deadline=None)

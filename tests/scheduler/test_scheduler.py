@@ -5,6 +5,7 @@ from iterserve.engine import Engine
 from iterserve.request import RequestStatus
 from iterserve.sampling_params import SamplingParams
 from tests.fake_executor import FakeExecutor
+from tests.kv.invariants import num_free_host_blocks, promisers
 from tests.scheduler.test_scheduler_properties import reference_output
 
 
@@ -28,7 +29,7 @@ def test_small_pool_preempts_and_outputs_are_unchanged():
     done = run(engine)
     assert engine.stats.num_preemptions > 0
     assert all(done[r] == reference_output(p, 14) for r, p in prompts.items())
-    assert engine.scheduler.kv.pool.num_free_blocks == 12
+    assert engine.scheduler.kv.num_free_blocks == 12
 
 
 def test_long_prompt_is_chunked_under_the_token_budget():
@@ -75,10 +76,10 @@ def test_abort_frees_blocks():
     engine = Engine(EngineConfig(), executor=FakeExecutor(num_kv_blocks=8))
     rid = engine.add_request(list(range(1, 20)), SamplingParams(max_tokens=50))
     engine.step()
-    assert engine.scheduler.kv.pool.num_free_blocks < 8
+    assert engine.scheduler.kv.num_free_blocks < 8
     [out] = engine.abort_request(rid)
     assert out.finished and out.finish_reason == "abort"
-    assert engine.scheduler.kv.pool.num_free_blocks == 8 and not engine.has_unfinished()
+    assert engine.scheduler.kv.num_free_blocks == 8 and not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("mode", ["swap", "auto"])
@@ -96,7 +97,7 @@ def test_swap_preemption_resumes_without_recompute(mode):
     assert computed == sum(len(p) + 14 - 1 for p in prompts.values())
     assert all(done[r] == reference_output(p, 14) for r, p in prompts.items())
     kv = engine.scheduler.kv
-    assert kv.pool.num_free_blocks == 12 and kv.host_pool.num_free_blocks == 32
+    assert kv.num_free_blocks == 12 and num_free_host_blocks(kv) == 32
 
 
 def test_swap_falls_back_to_recompute_when_host_pool_is_full():
@@ -154,13 +155,13 @@ def test_parallel_sampling_computes_the_prompt_once_through_the_prefix_cache():
     tables = {r.request_id: engine.scheduler.kv.block_table(r.request_id) for r in engine.scheduler.running}
     assert tables["p#0"][:2] == tables["p#1"][:2] == tables["p#2"][:2]
     assert len({t[2] for t in tables.values()}) == 3, "each sequence writes its own partial block"
-    assert engine.scheduler.kv.pool.blocks[tables["p#0"][0]].ref_cnt == 3
+    assert engine.scheduler.kv.blocks_of("p#0")[0].ref_cnt == 3
     outputs = []
     while engine.has_unfinished():
         outputs += [o for o in engine.step() if o.finished]
     assert sorted(o.index for o in outputs) == [0, 1, 2] and {o.parent_id for o in outputs} == {rid}
     assert all(o.token_ids == reference_output(prompt, 5) for o in outputs)
-    assert engine.scheduler.kv.pool.num_free_blocks == 32 and not engine.parents and not engine.states
+    assert engine.scheduler.kv.num_free_blocks == 32 and not engine.parents and not engine.states
 
 
 def test_abort_of_a_parallel_request_aborts_every_sequence():
@@ -171,7 +172,7 @@ def test_abort_of_a_parallel_request_aborts_every_sequence():
     outs = engine.abort_request("p")
     assert sorted(o.index for o in outs) == [0, 1, 2, 3] and all(o.finish_reason == "abort" for o in outs)
     assert not engine.has_unfinished() and not engine.states and not engine.parents
-    assert engine.scheduler.kv.pool.num_free_blocks == 32
+    assert engine.scheduler.kv.num_free_blocks == 32
 
 
 def test_abort_reaches_siblings_after_one_has_finished():
@@ -182,7 +183,7 @@ def test_abort_reaches_siblings_after_one_has_finished():
     assert [o.request_id for o in engine.abort_request("p#1")] == ["p#1"]  # one sequence ends early
     assert sorted(o.request_id for o in engine.abort_request("p")) == ["p#0", "p#2"]
     assert not engine.has_unfinished() and not engine.states and not engine.parents
-    assert engine.scheduler.kv.pool.num_free_blocks == 32
+    assert engine.scheduler.kv.num_free_blocks == 32
 
 
 def test_a_rejected_parallel_request_leaves_nothing_behind():
@@ -206,7 +207,7 @@ def test_requests_sharing_an_uncached_prefix_compute_it_once():
     assert first == [("a", 42), ("other", 5)], "b waits for the prefix a is computing; other passes it"
     assert ("b", 2) in second, "b computes only its own suffix"
     assert all(done[r] == reference_output(p, 3) for r, p in prompts.items())
-    assert not engine.scheduler.kv.computing and engine.scheduler.kv.pool.num_free_blocks == 64
+    assert not promisers(engine.scheduler.kv) and engine.scheduler.kv.num_free_blocks == 64
 
 
 def test_an_aborted_prefix_owner_releases_its_waiters():
@@ -220,6 +221,6 @@ def test_an_aborted_prefix_owner_releases_its_waiters():
     engine.abort_request("a")
     engine.step()
     assert [r.request_id for r in engine.scheduler.running] == ["b"]
-    assert set(engine.scheduler.kv.computing.values()) == {"b"}, "b now promises the prefix itself"
+    assert promisers(engine.scheduler.kv) == {"b"}, "b now promises the prefix itself"
     run(engine)
-    assert not engine.scheduler.kv.computing
+    assert not promisers(engine.scheduler.kv)

@@ -1,14 +1,13 @@
 """Property tests of scheduler + KV cache over random arrivals, lengths, pool sizes and modes."""
 from __future__ import annotations
 
-from collections import Counter
-
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.sampling_params import SamplingParams
 from tests.fake_executor import FakeExecutor
+from tests.kv.invariants import check_kv, check_kv_drained
 
 VOCAB = 1000
 
@@ -21,22 +20,7 @@ def reference_output(prompt: list[int], n: int) -> list[int]:
 
 
 def check_blocks(engine: Engine) -> None:
-    kv = engine.scheduler.kv
-    owners = Counter(b.block_id for blocks in kv.req_blocks.values() for b in blocks)
-    for blocks in kv.req_blocks.values():
-        assert len({b.block_id for b in blocks}) == len(blocks), "a request holds a block twice"
-    for block in kv.pool.blocks:
-        assert block.ref_cnt == owners[block.block_id], f"block {block.block_id} ref count != owners"
-        assert (block.block_id in kv.pool.free_queue) == (block.ref_cnt == 0)
-    host_owners = Counter(b.block_id for blocks in kv.req_host_blocks.values() for b in blocks)
-    for block in kv.host_pool.blocks:
-        assert block.ref_cnt == host_owners[block.block_id]
-    assert not (kv.req_blocks.keys() & kv.req_host_blocks.keys()), "a request is on device and host at once"
-    for rid, ids in kv.req_block_ids.items():
-        assert ids == [b.block_id for b in kv.req_blocks[rid]]
-    running = {r.request_id for r in engine.scheduler.running}
-    assert set(kv.computing.values()) <= running, "only a running request promises prefix blocks"
-    assert not (kv.computing.keys() & kv.pool.cached.keys()), "a promised block is already cached"
+    check_kv(engine.scheduler.kv, {r.request_id for r in engine.scheduler.running})
     waiting = engine.scheduler.waiting
     assert engine.scheduler.num_waiting_tokens == sum(r.num_tokens for r in waiting), "admission's token count drifted"
 
@@ -126,8 +110,6 @@ def test_scheduler_invariants(requests, num_blocks, block_size, max_num_seqs, bu
     assert finished.keys() == expected.keys(), "every admitted request finishes"
     for rid, tokens in finished.items():
         assert tokens == expected[rid], f"{rid}: output depends on batching/chunking/preemption"
-    kv = engine.scheduler.kv
-    assert kv.pool.num_free_blocks == num_blocks, "all blocks are free at the end"
-    assert kv.host_pool.num_free_blocks == kv.host_pool.num_blocks, "all host blocks are free at the end"
-    assert not kv.req_blocks and not kv.req_host_blocks and not engine.states and not engine.parents
-    assert not kv.computing and not kv.req_computing, "no prefix promise outlives its request"
+    assert engine.scheduler.kv.num_blocks == num_blocks
+    check_kv_drained(engine.scheduler.kv)
+    assert not engine.states and not engine.parents

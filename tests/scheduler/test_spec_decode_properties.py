@@ -9,6 +9,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.sampling_params import SamplingParams
 from tests.loop_executor import LoopExecutor
+from tests.kv.invariants import holders
 from tests.scheduler.test_scheduler_properties import check_blocks, check_contexts
 
 
@@ -32,8 +33,8 @@ def run_all(engine: Engine, prompts: list[list[int]], params: list[SamplingParam
 
 def assert_no_leaks(engine: Engine) -> None:
     kv = engine.scheduler.kv
-    assert kv.pool.num_free_blocks == kv.num_blocks, "all blocks are free at the end"
-    assert not kv.req_blocks and not engine.states and not engine.scheduler.drafts
+    assert kv.num_free_blocks == kv.num_blocks, "all blocks are free at the end"
+    assert not holders(kv) and not engine.states and not engine.scheduler.drafts
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -97,7 +97,7 @@ def leaks(server: Server) -> dict[str, int]:
     open request streams. All zero when idle (read from the test thread: a snapshot)."""
     engine = server.async_engine.engine
     s = engine.scheduler
-    return {"kv_blocks_used": s.kv.pool.num_blocks - s.kv.pool.num_free_blocks, "scheduler_requests": len(s.requests), "engine_states": len(engine.states),
+    return {"kv_blocks_used": s.kv.num_blocks - s.kv.num_free_blocks, "scheduler_requests": len(s.requests), "engine_states": len(engine.states),
             "open_streams": server.async_engine.num_open_requests}
 
 

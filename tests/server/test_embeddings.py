@@ -50,7 +50,7 @@ def test_engine_pools_like_transformers_in_chunks_beside_a_generation(tiny_model
         out = done[f"e{i}"]
         assert out.finish_reason == "stop" and out.token_ids == [] and len(out.embedding) == ref.numel()
         assert cosine(out.embedding, ref) > 0.999, (i, pooling)
-    kv = engine.scheduler.kv.pool
+    kv = engine.scheduler.kv
     assert kv.num_free_blocks == kv.num_blocks
 
 

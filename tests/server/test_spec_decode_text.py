@@ -43,7 +43,7 @@ def generate(engine: Engine, prompt: str, params: SamplingParams):
             tokens += out.new_token_ids
             final = out
         steps += 1
-    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
     return final, text, tokens, steps
 
 
