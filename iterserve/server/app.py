@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import iterserve
-from iterserve.engine import Engine
+from iterserve.engine.core import LocalEngineCore
 from iterserve.engine.diagnostics import Diagnostics
 from iterserve.outputs import RequestOutput
 from iterserve.server.async_engine import (
@@ -309,7 +309,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
     routes = Routes(async_engine, served_model_name, check_model, start, chat_prompt, start_chat)
     app.include_router(embeddings.router(routes, pooling))
 
-    if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, Engine):  # they read its scheduler
+    if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, LocalEngineCore):  # its KV spec, clock
         mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics
     app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes)
     if allowed_origins:  # off by default; outside the guard, so preflights need no API key

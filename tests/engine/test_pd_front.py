@@ -14,7 +14,7 @@ from iterserve.sampling_params import SamplingParams
 from iterserve.outputs import RequestOutput
 from iterserve.request import RequestTimes
 from iterserve.router.policy import ReplicaLoad
-from iterserve.server.pd_engines import PDEngines, PDRoutes
+from iterserve.engine.pd_front import PDEngines, PDRoutes
 from tests.engine.test_disagg import CONFIG, NEW_TOKENS, prompts  # noqa: F401
 from tests.engine.test_greedy_reference import generate
 from tests.engine.test_greedy_reference import prompts as reference_prompts  # noqa: F401
@@ -174,7 +174,7 @@ def test_async_engine_streams_1p1d_with_text(prompts):
     import asyncio
 
     from iterserve.server.async_engine import AsyncEngine
-    from iterserve.server.pd_engines import serving_engines
+    from iterserve.engine.pd_front import serving_engines
     colocated, engine = generate(ModelRunner(EngineConfig(**CONFIG)), prompts[:1], num_tokens=NEW_TOKENS)
     async_engine = AsyncEngine(lambda: serving_engines(EngineConfig(**CONFIG)))
     try:
