@@ -28,7 +28,8 @@ def missing_members(obj: object, names: tuple[str, ...]) -> list[str]:
             getattr(obj, name)
         except AttributeError as e:
             inner = getattr(e, "obj", None)
-            missing.append(name if inner is None or inner is obj else f"{name} (its {type(inner).__name__} has no {e.name})")
+            forwarded = inner is not None and inner is not obj
+            missing.append(f"{name} (its {type(inner).__name__} has no {e.name})" if forwarded else name)
     return missing
 
 

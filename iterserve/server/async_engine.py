@@ -1,10 +1,11 @@
 """AsyncEngine: an engine core's step loop in its own thread, with one async stream per request.
 
 The engine core (engine/core.py: an Engine, or the P/D front) is not thread-safe, so every engine
-call (add, abort, step) happens on the engine thread. asyncio code talks to it through a command queue that is drained at each step boundary;
-outputs come back through `loop.call_soon_threadsafe`, once per step for the whole batch (one
-event-loop wakeup per step, not one per token). An idle engine thread blocks on an Event: no CPU;
-a remote core's step blocks on its workers' outputs until a command wakes it.
+call (add, abort, step) happens on the engine thread. asyncio code talks to it through a command
+queue that is drained at each step boundary; outputs come back through `loop.call_soon_threadsafe`,
+once per step for the whole batch (one event-loop wakeup per step, not one per token). An idle
+engine thread blocks on an Event: no CPU; a remote core's step blocks on its workers' outputs until
+a command wakes it.
 """
 from __future__ import annotations
 
@@ -130,8 +131,8 @@ class AsyncEngine:
                  request_timeout: float | None = None, log_interval: float = 10.0,
                  on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
                  wait: bool = True) -> None:
-        """`engine` is an engine core, or a function that builds one; the server passes the function, so the
-        model loads on the engine thread and it is the only thread that ever runs torch ops. (A second
+        """`engine` is an engine core, or a function that builds one; the server passes the function, so
+        the model loads on the engine thread and it is the only thread that ever runs torch ops. (A second
         thread running ops gets a second OpenMP pool; on 2 cores its steps measured ~25% slower.)
         wait=False returns while it builds (the server imports its HTTP stack meanwhile): call
         wait_built() before anything else. The core is checked against the EngineCore contract once built."""

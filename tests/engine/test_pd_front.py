@@ -164,6 +164,9 @@ def test_decode_engine_killed_mid_stream_ends_only_its_requests(prompts):
         for name in ("prefill-0", survivor):
             assert_no_blocks_held(pd, name)
         assert pd.stats.num_free_kv_blocks == pd.stats.num_kv_blocks  # merged over the live decode engine
+        pd.kill("prefill-0")  # no output comes now: the death alone ends a step's wait, which has no limit
+        pd.step()
+        assert "prefill-0" in pd.dead
     finally:
         pd.close()
 
