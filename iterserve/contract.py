@@ -33,11 +33,10 @@ def missing_members(obj: object, names: tuple[str, ...]) -> list[str]:
     return missing
 
 
-def check_members(obj: object, protocol: type, what: str | None = None) -> None:
+def check_members(obj: object, protocol: type) -> None:
     """Raise TypeError naming every member of `protocol` that `obj` lacks, or any it has but cannot call."""
-    names = members(protocol)
-    what = what or f"{protocol.__name__} contract"
-    missing = missing_members(obj, names)
+    what = f"{protocol.__name__} contract"
+    missing = missing_members(obj, members(protocol))
     if missing:
         raise TypeError(f"{type(obj).__name__} does not implement the {what}: missing {', '.join(missing)}")
     wrong = [f"{n} is not callable" for n in methods(protocol) if not callable(getattr(obj, n))]
