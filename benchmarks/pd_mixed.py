@@ -1,7 +1,7 @@
 """Colocated vs P/D (1P1D or any xPyD) on a mixed trace: steady chats plus long prompts every few seconds.
 
 Colocated is one engine with --cores threads; --pd xPyD (default 1P1D) is x prefill and y decode
-processes (server/pd_engines.py) with cores/(x+y) threads each, joined by KV connectors (--transport). Both see
+processes (engine/pd_front.py) with cores/(x+y) threads each, joined by KV connectors (--transport). Both see
 the same trace in wall-clock time; the table gives p50/p99 TPOT and mean TTFT of the chats and of
 the long prompts. The claim under test: disaggregation takes the long prompts' prefill spikes out of
 the chats' decode steps, so the chats' p99 TPOT drops. Takes timings: run it on a quiet machine.
@@ -76,7 +76,7 @@ def run_colocated(args, trace, probe: dict | None = None) -> dict[str, object]:
 def run_pd(args, trace, probe: dict | None = None) -> dict[str, object]:
     """probe: filled with each engine's step records (from the stats it reports after every step) and
     the CPU seconds of the front (this process) and of each engine process (--check-steps)."""
-    from iterserve.server.pd_engines import PDEngines
+    from iterserve.engine.pd_front import PDEngines
     x, y = parse_pd(args.pd)
     pd = PDEngines({**config(args), "num_threads": pd_threads(args)}, args.transport, x, y)
     records: dict[str, list] = {name: [] for name in pd.procs}

@@ -4,8 +4,9 @@ A PrefillEngine computes each prompt and its first token, then hands the request
 prefix hashes to a decode engine through a KV connector and frees them: it never holds a decode.
 A DecodeEngine admits what arrives as already computed up to the prompt (Engine.add_computed_request,
 a prefix-cache hit whose blocks come from outside) and decodes the rest: it never runs a prompt
-chunk, except to recompute a request whose blocks did not arrive. Both wrap a plain Engine; the
-scheduler sees one extra entry point and nothing else.
+chunk, except to recompute a request whose blocks did not arrive (or one added to it directly). Both
+wrap a plain Engine and are engine cores (engine/core.py); the scheduler sees one extra entry point and
+nothing else.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import logging
 import re
 from collections import deque
 
+from iterserve.config import EngineConfig
 from iterserve.engine.engine import Engine
+from iterserve.engine.stats import EngineStats
 from iterserve.executor.base import KVBlockIO
 from iterserve.kv_transfer.connector import KVConnector
 from iterserve.outputs import RequestOutput
@@ -44,7 +47,26 @@ def check_pd_params(params: SamplingParams) -> None:
         raise ValueError("prompt_logprobs is not supported with prefill/decode disaggregation")
 
 
-class PrefillEngine:
+class _Side:
+    """What both sides show of their Engine (the EngineCore contract) and what they own."""
+
+    engine: Engine
+    connector: KVConnector
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
+    def shutdown(self) -> None:
+        self.connector.close()
+        self.engine.shutdown()
+
+
+class PrefillEngine(_Side):
     def __init__(self, engine: Engine, connector: KVConnector) -> None:
         _require(engine, "read_blocks", "prefill")
         self.engine, self.connector = engine, connector
@@ -98,12 +120,16 @@ class PrefillEngine:
         return None
 
 
-class DecodeEngine:
+class DecodeEngine(_Side):
     def __init__(self, engine: Engine, connector: KVConnector) -> None:
         _require(engine, "write_blocks", "decode")
         self.engine, self.connector = engine, connector
         self.pending: deque = deque()  # arrived, waiting for room in the pool or a seat
         self.dropped: set[str] = set()  # aborted before they landed: dropped when they do
+
+    def add_request(self, *args, **kwargs) -> str:
+        """A request that came through no prefill engine: its prompt is computed here."""
+        return self.engine.add_request(*args, **kwargs)
 
     def has_unfinished(self) -> bool:
         return bool(self.pending) or self.engine.has_unfinished()

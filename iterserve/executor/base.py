@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from iterserve.contract import members, missing_members
 # kv_head_width and num_blocks_for are re-exported: model_runner.py still imports them from here.
 from iterserve.kv.spec import KVCacheSpec, kv_head_width, num_blocks_for  # noqa: F401
 from iterserve.scheduler.output import SchedulerOutput, StepResult
@@ -48,13 +49,19 @@ class PoolingExecutor(Protocol):
     supports_pooling: bool
 
 
-_REQUIRED = ("kv_cache_spec", "max_model_len", "vocab_size", "eos_token_ids", "tokenizer", "execute", "shutdown")
+@runtime_checkable
+class DeviceExecutor(Protocol):
+    """An executor that runs the model on one device of this machine (the ModelRunner); not part of the
+    Executor contract: fakes, cost models and ranks in other processes do not. The diagnostics' what-if
+    models a CPU one with this machine's profile (sim/server_whatif.py)."""
+
+    device_type: str  # "cpu", "cuda"
 
 
 def check_executor(executor: object) -> None:
     """Raise TypeError naming every part of the contract the executor lacks or gets wrong."""
     name = type(executor).__name__
-    missing = [a for a in _REQUIRED if not hasattr(executor, a)]
+    missing = missing_members(executor, members(Executor))
     if missing:
         raise TypeError(f"{name} does not implement the Executor contract: missing {', '.join(missing)}")
     wrong = []

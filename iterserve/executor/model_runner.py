@@ -189,6 +189,11 @@ class ModelRunner:
                      c.kv_cache_dtype, config.swap_space_bytes, config.scheduler_config.preemption_mode == "auto",
                      config.parallel_config.tensor_parallel_size, config.parallel_config.distributed_port))
 
+    @property
+    def device_type(self) -> str:
+        """executor/base.DeviceExecutor: what the diagnostics' what-if asks of it."""
+        return self.device.type
+
     def shutdown(self) -> None:
         """Nothing outlives the process here; multi-process executors stop their workers."""
 

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import iterserve
-from iterserve.engine import Engine
+from iterserve.engine.core import LocalEngineCore
 from iterserve.engine.diagnostics import Diagnostics
 from iterserve.server import chat, completions, embeddings, info, messages, responses
 from iterserve.server.async_engine import AsyncEngine
@@ -56,7 +56,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
     app.include_router(responses.router(routes))
     app.include_router(messages.router(routes))
 
-    if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, Engine):  # they read its scheduler
+    if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, LocalEngineCore):  # its KV spec, clock
         mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics
     app.add_middleware(_Guard, api_key=api_key, max_request_bytes=max_request_bytes)
     if allowed_origins:  # off by default; outside the guard, so preflights need no API key

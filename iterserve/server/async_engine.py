@@ -1,9 +1,11 @@
-"""AsyncEngine: the Engine's step loop in its own thread, with one async stream per request.
+"""AsyncEngine: an engine core's step loop in its own thread, with one async stream per request.
 
-The Engine is not thread-safe, so every engine call (add, abort, step) happens on the engine
-thread. asyncio code talks to it through a command queue that is drained at each step boundary;
-outputs come back through `loop.call_soon_threadsafe`, once per step for the whole batch (one
-event-loop wakeup per step, not one per token). An idle engine thread blocks on an Event: no CPU.
+The engine core (engine/core.py: an Engine, or the P/D front) is not thread-safe, so every engine
+call (add, abort, step) happens on the engine thread. asyncio code talks to it through a command
+queue that is drained at each step boundary; outputs come back through `loop.call_soon_threadsafe`,
+once per step for the whole batch (one event-loop wakeup per step, not one per token). An idle
+engine thread blocks on an Event: no CPU; a remote core's step blocks on its workers' outputs until
+a command wakes it.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from iterserve.engine import Engine
+from iterserve.engine.core import EngineCore, LocalEngineCore, RemoteEngineCore, check_engine_core
 from iterserve.engine.stats import EngineStats
 from iterserve.executor.base import PoolingExecutor
 from iterserve.heap import trim_heap
@@ -77,16 +79,16 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine | Callable[[], Engine], *, max_waiting_requests: int | None = None,
+    def __init__(self, engine: EngineCore | Callable[[], EngineCore], *, max_waiting_requests: int | None = None,
                  request_timeout: float | None = None, log_interval: float = 10.0,
                  max_num_queued_tokens: int | None = None,
                  on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
                  wait: bool = True) -> None:
-        """`engine` is an Engine, or a function that builds one; the server passes the function, so the
-        model loads on the engine thread and it is the only thread that ever runs torch ops. (A second
+        """`engine` is an engine core, or a function that builds one; the server passes the function, so
+        the model loads on the engine thread and it is the only thread that ever runs torch ops. (A second
         thread running ops gets a second OpenMP pool; on 2 cores its steps measured ~25% slower.)
         wait=False returns while it builds (the server imports its HTTP stack meanwhile): call
-        wait_built() before anything else."""
+        wait_built() before anything else. The core is checked against the EngineCore contract once built."""
         self.request_timeout = request_timeout  # seconds from arrival; None: no limit
         self.log_interval = log_interval
         self.on_step = on_step  # called on the engine thread after every step (metrics)
@@ -105,11 +107,12 @@ class AsyncEngine:
         self.max_num_queued_tokens = max_num_queued_tokens  # None: no limit
         self._built = threading.Event()
         self._build_failed: list[BaseException] = []
-        if isinstance(engine, Engine):
-            self.engine = engine
-            self._built.set()
-        else:
+        self._remote = False  # the core's step waits on other processes (RemoteEngineCore): wake it for commands
+        if callable(engine):
             self._build_on_engine_thread(engine)
+        else:
+            self._take(engine)
+            self._built.set()
         if wait:
             self.wait_built()
 
@@ -121,12 +124,17 @@ class AsyncEngine:
         # A flood gets 503s, not unbounded memory: the queue is always bounded.
         self.max_waiting_requests = self._max_waiting or self.engine.config.scheduler_config.max_waiting_requests
 
-    def _build_on_engine_thread(self, build: Callable[[], Engine]) -> None:
+    def _take(self, engine: EngineCore) -> None:
+        check_engine_core(engine)
+        self.engine = engine
+        self._remote = isinstance(engine, RemoteEngineCore)
+
+    def _build_on_engine_thread(self, build: Callable[[], EngineCore]) -> None:
         failed, ready = self._build_failed, self._built
 
         def run() -> None:
             try:
-                self.engine = build()
+                self._take(build())
             except BaseException as exc:  # noqa: BLE001 - raised in the caller below
                 failed.append(exc)
                 return
@@ -145,7 +153,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop = True
-        self._wake.set()
+        self._notify()
         if self._thread is not None:
             self._thread.join(timeout)
         self.engine.shutdown()  # an executor's worker processes (tensor parallel) end with the engine
@@ -164,7 +172,7 @@ class AsyncEngine:
         `timeout` seconds, then end with a ShutdownTimeoutError (an SSE error event). Any thread."""
         self.draining = True
         self._drain_deadline = time.monotonic() + timeout
-        self._wake.set()
+        self._notify()
 
     @property
     def num_open_requests(self) -> int:
@@ -195,7 +203,7 @@ class AsyncEngine:
     @property
     def supports_pooling(self) -> bool:
         """Whether its executor pools hidden states (SamplingParams.pooling; the ModelRunner does)."""
-        return isinstance(self.engine, Engine) and isinstance(self.engine.executor, PoolingExecutor)
+        return isinstance(self.engine, LocalEngineCore) and isinstance(self.engine.executor, PoolingExecutor)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """The engine's own prompt check (pure: reads only the tokenizer and the vocabulary size)."""
@@ -243,7 +251,13 @@ class AsyncEngine:
 
     def _submit(self, command: _Add | _Abort) -> None:
         self._commands.append(command)
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake the engine thread, idle or waiting in a remote core's step."""
         self._wake.set()
+        if self._remote:
+            self.engine.wake()
 
     # ---- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -264,7 +278,7 @@ class AsyncEngine:
                     self._wake.wait()
                     continue
                 busy = True
-                outputs = self.engine.step()
+                outputs = self.engine.step(self._until_deadline()) if self._remote else self.engine.step()
                 stats = self.engine.stats
                 if self.on_step is not None:  # metrics first: a client that saw its last token sees it counted
                     self.on_step(stats, outputs)
@@ -274,6 +288,14 @@ class AsyncEngine:
             logger.exception("the engine loop died; failing %d pending requests", len(self._streams))
             self.dead = exc
             self._fail_everything(exc)
+
+    def _until_deadline(self) -> float | None:
+        """Seconds to the next request timeout or the drain's end (None: none): how long a remote core's
+        step may wait for its outputs before this thread has work of its own."""
+        deadlines = [self._deadlines[0].deadline] if self._deadlines else []
+        if self._drain_deadline is not None:
+            deadlines.append(self._drain_deadline)
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _drain_commands(self) -> None:
         while self._commands:

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None, whatif_for: WhatIfFor | None = None) -> 
     # (weight_cache.release_load_buffers); what the start made is frozen out of later passes.
     gc.disable()
     from iterserve.engine import Engine
+    from iterserve.engine.core import LocalEngineCore
     from iterserve.server.async_engine import AsyncEngine
 
     start = time.monotonic()
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None, whatif_for: WhatIfFor | None = None) -> 
     build = lambda: Engine(config)  # noqa: E731
     if args.pd:
         from iterserve.engine.disagg import parse_pd
-        from iterserve.server.pd_engines import check_transport, serving_engines
+        from iterserve.engine.pd_front import check_transport, serving_engines
         if config.parallel_config.tensor_parallel_size > 1:
             fail("--pd runs without tensor parallelism (each engine is one process)")
         try:
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None, whatif_for: WhatIfFor | None = None) -> 
     logger.info("loaded in %.1f s: %d KV blocks of %d tokens", time.monotonic() - start,
                 engine.stats.num_kv_blocks, config.cache_config.block_size)
     diagnostics = None
-    if server.diagnostics and not args.pd:  # diagnostics read one engine's scheduler
+    if server.diagnostics and isinstance(engine, LocalEngineCore):  # they read its KV spec and clock
         diagnostics = make_diagnostics(engine, server.slo_ttft, server.slo_tpot, whatif_for)
     app = build_app(async_engine, name, api_key=server.api_key, max_request_bytes=server.max_request_bytes,
                     allowed_origins=origins, diagnostics=diagnostics, pooling=server.pooling,

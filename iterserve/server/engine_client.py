@@ -1,7 +1,7 @@
 """The engine-client contract: what the OpenAI app (server/app.py build_app) needs from what serves it.
 
-Implementations: AsyncEngine (one engine in this process: an Engine, or the P/D front of
-server/pd_engines.py, which shows the Engine's surface) and the Ray ingress's ReplicaClient (N engine
+Implementations: AsyncEngine (one engine core in this process: an Engine, or the P/D front of
+engine/pd_front.py; engine/core.py) and the Ray ingress's ReplicaClient (N engine
 replicas on Ray Serve, server/ray_app.py). build_app checks the contract once, at construction: a
 client that lacks a part fails there, naming it, not on the first request that touches it.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import AsyncIterator, Callable, Protocol
 
+from iterserve.contract import members, methods, missing_members
 from iterserve.engine.stats import EngineStats
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
@@ -55,17 +56,13 @@ class EngineClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-_ATTRIBUTES = ("tokenizer", "max_model_len", "vocab_size", "eos_token_ids", "dead", "draining", "on_step")
-_METHODS = ("encode", "add_request", "abort", "start", "shutdown")
-
-
 def check_engine_client(client: object) -> None:
     """Raise TypeError naming every part of the contract the client lacks or gets wrong."""
     name = type(client).__name__
-    missing = [m for a in _ATTRIBUTES + _METHODS if (m := _missing(client, a))]
+    missing = missing_members(client, members(EngineClient))
     if missing:
         raise TypeError(f"{name} does not implement the EngineClient contract: missing {', '.join(missing)}")
-    wrong = [f"{m} is not callable" for m in _METHODS if not callable(getattr(client, m))]
+    wrong = [f"{m} is not callable" for m in methods(EngineClient) if not callable(getattr(client, m))]
     if callable(client.add_request) and not inspect.iscoroutinefunction(client.add_request):
         wrong.append("add_request is not a coroutine function (async def)")
     if not isinstance(client.max_model_len, int) or client.max_model_len < 1:
@@ -75,13 +72,3 @@ def check_engine_client(client: object) -> None:
     if wrong:
         raise TypeError(f"{name} does not implement the EngineClient contract: {'; '.join(wrong)}")
 
-
-def _missing(client: object, name: str) -> str | None:
-    """None if the client has it; else the name, and the object that lacks it when that is not the client
-    (an AsyncEngine reads the model's facts from its engine)."""
-    try:
-        getattr(client, name)
-    except AttributeError as e:
-        inner = client if getattr(e, "obj", None) is None else e.obj
-        return name if inner is client else f"{name} (its {type(inner).__name__} has no {e.name})"
-    return None

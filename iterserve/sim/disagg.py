@@ -54,7 +54,7 @@ def run_disagg(make_engine, num_prefill: int, num_decode: int, trace: Trace, lin
     sides = prefill + decode
     pending = deque(sorted(trace.requests, key=lambda r: r.arrival_time))
     by_id = {r.request_id: r for r in trace.requests}
-    # the two policies `serve --pd xPyD` uses (server/pd_engines.py), the same objects
+    # the two policies `serve --pd xPyD` uses (engine/pd_front.py), the same objects
     router, ids = PrefixAffinityRouter(), [f"prefill-{i}" for i in range(num_prefill)]
     loads = {rid: ReplicaLoad() for rid in ids}
     decode_router, decode_ids = LeastKVRouter(), [f"decode-{j}" for j in range(num_decode)]

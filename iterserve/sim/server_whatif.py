@@ -6,6 +6,7 @@ import logging
 import threading
 
 from iterserve.engine.diagnostics import WhatIf
+from iterserve.executor.base import DeviceExecutor
 from iterserve.sim.executor import SimulatedExecutor
 
 logger = logging.getLogger("iterserve.server")
@@ -40,10 +41,10 @@ class _LazyWhatIf:
 
 def _may_simulate(engine) -> bool:
     """simulated_system's cheap checks, without resolving a profile."""
-    if isinstance(engine.executor, SimulatedExecutor):
+    executor = engine.executor
+    if isinstance(executor, SimulatedExecutor):
         return True
-    from iterserve.executor.model_runner import ModelRunner
-    return (isinstance(engine.executor, ModelRunner) and engine.executor.device.type == "cpu"
+    return (isinstance(executor, DeviceExecutor) and executor.device_type == "cpu"
             and engine.config.speculative_config.speculative_method is None)
 
 
@@ -52,7 +53,7 @@ def simulated_system(engine):
     executor = engine.executor
     if isinstance(executor, SimulatedExecutor):
         return executor.model, executor.hardware
-    if not _may_simulate(engine):  # the CPU profile models only a CPU ModelRunner; no draft acceptance
+    if not _may_simulate(engine):  # the CPU profile models only a model run on this CPU; no draft acceptance
         return None
     from iterserve.sim.cli import resolve_cpu_profile
     try:

@@ -58,11 +58,23 @@ def test_a_client_with_every_part_but_wrong_ones_names_each():
 
 
 class BareEngine:
-    """An engine-like object that steps but tells nothing about its model (what the P/D front is before
+    """An engine core that steps but tells nothing about its model (what the P/D front is before
     serving_engines fills in its tokenizer, vocabulary, EOS ids and context)."""
+
+    config = EngineConfig()
+    stats = None
+
+    def add_request(self, prompt, params=None, request_id=None, arrival_time=None, priority=0, cache_salt=None):
+        return request_id
+
+    def abort_request(self, request_id):
+        return []
 
     def has_unfinished(self) -> bool:
         return False
+
+    def step(self):
+        return []
 
     def shutdown(self) -> None:
         pass

@@ -1,7 +1,8 @@
-"""xPyD as processes: x prefill engines and y decode engines, each spawned in its own process and
-joined by KV connectors (docs/disaggregation.md). The front object here routes each request, merges
-the processes' outputs into one stream per request (the first token from its prefill engine, the
-rest from its decode engine) and shows the Engine's surface to the AsyncEngine.
+"""xPyD as processes: x prefill engines and y decode engines, each spawned in its own process
+(pd_worker.py) and joined by KV connectors (docs/disaggregation.md). The front here routes each
+request, merges the processes' outputs into one stream per request (the first token from its prefill
+engine, the rest from its decode engine) and is an engine core (core.py) the AsyncEngine drives: its
+step waits on the workers' outputs, a remote engine core's step.
 
 Routing, with the router's own classes: the front hashes the prompt's blocks once, a
 PrefixAffinityRouter picks the prefill engine (a shared prefix lands where it is cached) and a
@@ -15,107 +16,25 @@ engines carry on and the routers stop choosing it. A dead prefill process ends t
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import queue as queue_module
+import threading
 import time
 from dataclasses import replace
 
 from iterserve.engine.disagg import check_pd_params
+from iterserve.engine.pd_worker import check_transport, worker
 from iterserve.engine.stats import EngineStats
 from iterserve.outputs import RequestOutput
 from iterserve.router.policy import LeastKVRouter, PrefixAffinityRouter, ReplicaLoad, prompt_block_hashes
 from iterserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("iterserve.pd")
-TRANSPORTS = ("shm", "dist")
+_WAKE = ("wake", "", None)  # ends a step's wait for the workers' outputs, and nothing else
 
 
 def engine_names(num_prefill: int, num_decode: int) -> tuple[list[str], list[str]]:
     return [f"prefill-{i}" for i in range(num_prefill)], [f"decode-{j}" for j in range(num_decode)]
-
-
-def check_transport(transport: str, num_prefill: int, num_decode: int) -> None:
-    """What the transports run, refused in one line before any process starts."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
-    if num_prefill < 1 or num_decode < 1:
-        raise ValueError(f"--pd needs at least one prefill and one decode engine, not {num_prefill}P{num_decode}D")
-    if transport == "dist" and num_prefill * num_decode > 1:
-        raise ValueError(f"--kv-transport dist runs 1P1D only (one two-rank torch.distributed group), not "
-                         f"{num_prefill}P{num_decode}D; --kv-transport shm runs any xPyD")
-
-
-def _make_connector(name: str, transport: str, channels: dict, init_method: str | None):
-    """A decode engine's receiver, or a prefill engine's RoutedConnector with a channel to each decode
-    engine. channels: decode engine -> its shared-memory queue (shm) or None (dist, 1P1D)."""
-    from iterserve.kv_transfer.connector import RoutedConnector
-    if transport == "shm":
-        from iterserve.kv_transfer.shm_connector import ShmConnector
-        if name in channels:
-            return ShmConnector(channels[name])
-        return RoutedConnector({decode: ShmConnector(q) for decode, q in channels.items()})
-    from iterserve.kv_transfer.dist_connector import DECODE_RANK, PREFILL_RANK, DistConnector
-    import torch
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if name in channels:
-        return DistConnector(DECODE_RANK, init_method, backend)
-    return RoutedConnector({decode: DistConnector(PREFILL_RANK, init_method, backend) for decode in channels})
-
-
-def _worker(name: str, config_kwargs, transport: str, channels: dict, init_method: str | None,
-            inbox, outbox) -> None:
-    """One engine's process: take commands, step the engine, report outputs and stats. Ends on ("stop",)."""
-    from iterserve.config import EngineConfig
-    from iterserve.engine.disagg import DecodeEngine, PrefillEngine
-    from iterserve.engine.engine import Engine
-    decoding = name in channels
-    try:
-        engine = Engine(config_kwargs if isinstance(config_kwargs, EngineConfig) else EngineConfig(**config_kwargs))
-        connector = _make_connector(name, transport, channels, init_method)
-        side = DecodeEngine(engine, connector) if decoding else PrefillEngine(engine, connector)
-    except Exception as exc:
-        outbox.put(("failed", name, f"{type(exc).__name__}: {exc}"))
-        return
-    outbox.put(("ready", name, engine.stats))
-    reported = engine.stats.num_steps
-    while True:
-        busy = side.has_unfinished()
-        if decoding and not busy:  # idle, it waits on its KV channel, not on the commands: a transfer
-            side.poll(timeout=0.02)  # landing is taken in at once
-            busy = side.has_unfinished()
-        try:
-            while True:
-                cmd = inbox.get(timeout=0.02) if not (busy or decoding) else inbox.get_nowait()
-                busy = True  # drain the rest without waiting
-                if cmd[0] == "stop":
-                    connector.close()
-                    outbox.put(("stopped", name, None))
-                    return
-                _command(side, cmd, outbox, name)
-        except queue_module.Empty:
-            pass
-        if side.has_unfinished():
-            outputs, stats = side.step(), side.engine.stats
-            if outputs or stats.num_steps != reported:  # after every step run: the routers' view of its load
-                reported = stats.num_steps
-                outbox.put(("out", name, (outputs, stats)))
-
-
-def _command(side, cmd: tuple, outbox, name: str) -> None:
-    if cmd[0] == "add":
-        _, request_id, prompt, params, arrival, priority, cache_salt, decode_target = cmd
-        try:
-            side.add_request(prompt, params, request_id, decode_target=decode_target, arrival_time=arrival,
-                             priority=priority, cache_salt=cache_salt)
-        except ValueError as exc:
-            outbox.put(("rejected", name, (request_id, str(exc))))
-    elif cmd[0] == "abort":
-        outputs = side.abort_request(cmd[1])
-        if outputs:
-            outbox.put(("out", name, (outputs, side.engine.stats)))
-    elif cmd[0] == "dead":  # prefill side: a decode engine died, refuse to send to it
-        side.connector.mark_dead(cmd[1])
-    elif cmd[0] == "stats":
-        outbox.put(("stats", name, side.engine.stats))
 
 
 def merged_stats(prefill: list[EngineStats], decode: list[EngineStats]) -> EngineStats:
@@ -205,7 +124,8 @@ class PDRoutes:
 
 
 class PDEngines:
-    """The front of x prefill and y decode processes. Not thread-safe: one caller drives it."""
+    """The front of x prefill and y decode processes. Not thread-safe: one caller drives it (wake() is
+    safe from any thread)."""
 
     # The model's facts the server reads through its AsyncEngine (an EngineClient, server/engine_client.py);
     # serving_engines sets them from the model's files, and build_app names any that is missing.
@@ -220,19 +140,21 @@ class PDEngines:
         from iterserve.config import EngineConfig
         check_transport(transport, num_prefill, num_decode)
         import torch.multiprocessing as mp
-        self.engine_config = config_kwargs if isinstance(config_kwargs, EngineConfig) else EngineConfig(**config_kwargs)
-        self.block_size = self.engine_config.cache_config.block_size
+        self.config = config_kwargs if isinstance(config_kwargs, EngineConfig) else EngineConfig(**config_kwargs)
+        self.block_size = self.config.cache_config.block_size
         self.prefill_names, self.decode_names = engine_names(num_prefill, num_decode)
         ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
+        self.outbox.cancel_join_thread()  # wakes nobody read must not hold this process at exit
         self.inbox = {name: ctx.Queue() for name in self.prefill_names + self.decode_names}
         channels = {name: ctx.Queue() if transport == "shm" else None for name in self.decode_names}
         init_method = f"tcp://127.0.0.1:{port}" if transport == "dist" else None
         self.procs = {}
         for name in self.inbox:
-            self.procs[name] = ctx.Process(target=_worker, name=f"iterserve-{name}", daemon=True, args=(
-                name, self.engine_config, transport, channels, init_method, self.inbox[name], self.outbox))
+            self.procs[name] = ctx.Process(target=worker, name=f"iterserve-{name}", daemon=True, args=(
+                name, self.config, transport, channels, init_method, self.inbox[name], self.outbox))
             self.procs[name].start()
+        threading.Thread(target=self._watch, name="iterserve-pd-watch", daemon=True).start()
         self.routes = PDRoutes()
         self.loads: dict[str, ReplicaLoad] = {}  # each engine's latest report, as the routers read it
         self.dead: set[str] = set()  # engines found dead (their requests ended)
@@ -282,14 +204,20 @@ class PDEngines:
     def has_unfinished(self) -> bool:
         return bool(self.routes.stage)
 
-    def get_outputs(self, timeout: float = 0.1) -> list[RequestOutput]:
-        """Outputs since the last call (waiting up to `timeout` for the first)."""
+    def get_outputs(self, timeout: float | None = 0.1) -> list[RequestOutput]:
+        """Outputs since the last call (waiting up to `timeout` for the first message; None: no limit)."""
         outputs = self._drain(timeout)
         return outputs + self._check_deaths()
 
-    # ---- the Engine's surface: the AsyncEngine and the HTTP server drive xPyD as one engine -------
-    def step(self) -> list[RequestOutput]:
-        return self.get_outputs(0.01)
+    # ---- the engine core (core.py): the AsyncEngine and the HTTP server drive xPyD as one engine ---
+    def step(self, timeout: float | None = None) -> list[RequestOutput]:
+        """What the engines sent since the last step, waiting up to `timeout` seconds (None: no limit) for
+        the first of it; wake() and an engine's death end the wait at once."""
+        return self.get_outputs(timeout)
+
+    def wake(self) -> None:
+        """End the wait of a step now or the next one (any thread): the driver has work of its own."""
+        self.outbox.put(_WAKE)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Asynchronous: the aborted output comes back from the engine that holds the request."""
@@ -311,7 +239,7 @@ class PDEngines:
         if self.tokenizer is None:
             from iterserve.model import weight_cache
             from iterserve.model.loader import default_model_path
-            self.tokenizer = weight_cache.load_tokenizer(self.engine_config.model_config.model or default_model_path())
+            self.tokenizer = weight_cache.load_tokenizer(self.config.model_config.model or default_model_path())
         return self.tokenizer
 
     @property
@@ -354,15 +282,25 @@ class PDEngines:
                 proc.kill()
                 proc.join(timeout)
 
-    def _drain(self, timeout: float) -> list[RequestOutput]:
+    def _watch(self) -> None:
+        """A thread until every engine process has ended: each end wakes a waiting step, which then ends
+        that engine's requests (_check_deaths)."""
+        running = [proc.sentinel for proc in self.procs.values()]
+        while running:
+            for ended in multiprocessing.connection.wait(running):
+                running.remove(ended)
+                self.wake()
+
+    def _drain(self, timeout: float | None) -> list[RequestOutput]:
+        """Every message waiting in the outbox, after waiting up to `timeout` (None: no limit) for the first."""
         outputs, self._pending = self._pending, []
-        wait = timeout
+        block = not outputs and (timeout is None or timeout > 0)
         while True:
             try:
-                kind, name, payload = self.outbox.get(timeout=wait) if wait > 0 else self.outbox.get_nowait()
+                kind, name, payload = self.outbox.get(timeout=timeout) if block else self.outbox.get_nowait()
             except queue_module.Empty:
                 return outputs
-            wait = 0.0
+            block = False
             if kind == "out":
                 batch, stats = payload
                 self._report(name, stats)
@@ -406,13 +344,14 @@ class PDEngines:
 
 
 def serving_engines(config, transport: str = "shm", num_prefill: int = 1, num_decode: int = 1) -> PDEngines:
-    """xPyD with what the HTTP server reads from an engine: the tokenizer, vocabulary, EOS ids, context."""
+    """xPyD with what the HTTP server reads from an engine: the tokenizer, vocabulary, EOS ids, context
+    (the EngineClient's model facts, server/engine_client.py)."""
     from iterserve.executor.model_runner import eos_token_ids
     from iterserve.model import weight_cache
     from iterserve.model.loader import default_model_path
     pd = PDEngines(config, transport, num_prefill, num_decode)
     arch = weight_cache.load_arch(config.model_config.model or default_model_path())
-    pd.config, pd.vocab_size = config, arch.vocab_size
+    pd.vocab_size = arch.vocab_size
     pd.eos_token_ids = eos_token_ids(arch, pd._tokenizer())
     pd.max_model_len = pd.stats.max_model_len
     return pd

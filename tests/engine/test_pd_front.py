@@ -14,7 +14,7 @@ from iterserve.sampling_params import SamplingParams
 from iterserve.outputs import RequestOutput
 from iterserve.request import RequestTimes
 from iterserve.router.policy import ReplicaLoad
-from iterserve.server.pd_engines import PDEngines, PDRoutes
+from iterserve.engine.pd_front import PDEngines, PDRoutes
 from tests.engine.test_disagg import CONFIG, NEW_TOKENS, prompts  # noqa: F401
 from tests.engine.test_greedy_reference import generate
 from tests.engine.test_greedy_reference import prompts as reference_prompts  # noqa: F401
@@ -164,6 +164,9 @@ def test_decode_engine_killed_mid_stream_ends_only_its_requests(prompts):
         for name in ("prefill-0", survivor):
             assert_no_blocks_held(pd, name)
         assert pd.stats.num_free_kv_blocks == pd.stats.num_kv_blocks  # merged over the live decode engine
+        pd.kill("prefill-0")  # no output comes now: the death alone ends a step's wait, which has no limit
+        pd.step()
+        assert "prefill-0" in pd.dead
     finally:
         pd.close()
 
@@ -174,7 +177,7 @@ def test_async_engine_streams_1p1d_with_text(prompts):
     import asyncio
 
     from iterserve.server.async_engine import AsyncEngine
-    from iterserve.server.pd_engines import serving_engines
+    from iterserve.engine.pd_front import serving_engines
     colocated, engine = generate(ModelRunner(EngineConfig(**CONFIG)), prompts[:1], num_tokens=NEW_TOKENS)
     async_engine = AsyncEngine(lambda: serving_engines(EngineConfig(**CONFIG)))
     try:
