@@ -92,6 +92,13 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
 
     @property
+    def prefix_salt(self) -> str | None:
+        """What salts its prefix hashes: the cache salt and the LoRA adapter, so the same prompt under two
+        adapters (whose K/V differ) never shares a block."""
+        lora = self.sampling_params.lora_name
+        return self.cache_salt if lora is None else f"{self.cache_salt or ''}\0lora:{lora}"
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -48,6 +48,18 @@ class PoolingExecutor(Protocol):
     supports_pooling: bool
 
 
+@runtime_checkable
+class LoRAExecutor(Protocol):
+    """An executor that runs requests under LoRA adapters (SamplingParams.lora_name; model/lora.py), loaded and
+    unloaded between steps; not part of the Executor contract: the ModelRunner alone does."""
+
+    lora_adapters: dict[str, str]  # loaded name -> path
+
+    def load_lora(self, name: str, path: str) -> None: ...
+
+    def unload_lora(self, name: str) -> None: ...
+
+
 _REQUIRED = ("kv_cache_spec", "max_model_len", "vocab_size", "eos_token_ids", "tokenizer", "execute", "shutdown")
 
 
