@@ -41,7 +41,7 @@ from iterserve.server.protocol import (
     TopLogprob, Usage,
 )
 from iterserve.sampling_params import StructuredOutputs
-from iterserve.server import tools
+from iterserve.server import lora_routes, tools
 from iterserve.server.reasoning import ReasoningSplitter, split as reasoning_split
 from iterserve.server.token_text import TokenText
 
@@ -156,12 +156,14 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
 
     @app.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len)])
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=max_model_len),
+                               *lora_routes.model_cards(async_engine, served_model_name, max_model_len)])
 
     @app.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str):
         check_model(model_id)
-        return ModelCard(id=served_model_name, max_model_len=max_model_len)
+        cards = lora_routes.model_cards(async_engine, served_model_name, max_model_len)
+        return next((c for c in cards if c.id == model_id), ModelCard(id=served_model_name, max_model_len=max_model_len))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -194,7 +196,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
 
     # ---- generation ---------------------------------------------------------------------------
     def check_model(name: str | None) -> None:
-        if name is not None and name != served_model_name:
+        if name is not None and name != served_model_name and name not in lora_routes.adapters(async_engine):
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {served_model_name!r}",
                            "not_found_error", "model")
 
@@ -244,6 +246,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
             texts = body.prompt_list()
             prompts = [async_engine.encode(p) for p in texts]
             params = body.completion_params()
+            params.lora_name = lora_routes.lora_name(async_engine, body.model, served_model_name)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         for p in prompts:
@@ -256,7 +259,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
             for s in streams:
                 s.engine.abort(s.request_id)
             raise
-        created, model = int(time.time()), served_model_name
+        created, model = int(time.time()), params.lora_name or served_model_name
         if body.stream:
             return _SSEResponse(streams, _completion_chunks(streams, params.n, created, model, body.include_usage,
                                                             token_text))
@@ -277,6 +280,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
             # Chat's default: generate until the context is full (max(1): the engine reports the
             # prompt as too long, rather than max_tokens as invalid).
             params = body.sampling_params(max(1, max_model_len - len(prompt)), body.num_logprobs())
+            params.lora_name = lora_routes.lora_name(async_engine, body.model, served_model_name)
             if tool_list and (forced := tools.forced_schema(tool_list, choice, body.parallel_tool_calls)) is not None:
                 params = replace(params, structured_outputs=StructuredOutputs(json=json.dumps(forced)))
         except ValueError as e:
@@ -292,7 +296,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         chat = await start_chat(body)
         stream, params = chat.stream, chat.params
-        created, model = int(time.time()), served_model_name
+        created, model = int(time.time()), params.lora_name or served_model_name
         if body.stream:
             return _SSEResponse([stream], _chat_chunks(chat, created, model, body.include_usage, token_text))
         outs = (await _collect([stream], request))[0]
@@ -308,6 +312,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
     from iterserve.server import embeddings  # here: the routers' modules import this one
     routes = Routes(async_engine, served_model_name, check_model, start, chat_prompt, start_chat)
     app.include_router(embeddings.router(routes, pooling))
+    app.include_router(lora_routes.router(routes))
 
     if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, Engine):  # they read its scheduler
         mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics

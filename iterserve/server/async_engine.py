@@ -70,6 +70,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[Engine], None]  # an engine call other than add/abort (LoRA load/unload)
+    accepted: asyncio.Future  # resolved on the engine thread: None, or the ValueError fn raised
+
+
 @dataclass(slots=True, eq=False)
 class RequestStream:
     """The outputs of one request, in order; iterate with `async for`. Closing it early aborts.
@@ -140,7 +146,7 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self.draining = False  # set by drain(): no new requests
         self._drain_deadline: float | None = None  # monotonic time when the rest are aborted
-        self._commands: deque[_Add | _Abort] = deque()  # deque append/popleft are thread-safe
+        self._commands: deque[_Add | _Abort | _Call] = deque()  # deque append/popleft are thread-safe
         self._wake = threading.Event()
         self._stop = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -287,7 +293,20 @@ class AsyncEngine:
         """Safe from any thread; the request leaves at the next step boundary."""
         self._submit(_Abort(request_id))
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[Engine], None]) -> None:
+        """fn(engine) on the engine thread between steps, in order with the adds and aborts queued before it;
+        raises the ValueError it raised (or EngineDeadError)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine loop has died: {self.dead!r}")
+        self.start()
+        self._loop = asyncio.get_running_loop()
+        accepted = self._loop.create_future()
+        self._submit(_Call(fn, accepted))
+        error = await accepted
+        if error is not None:
+            raise error
+
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         self._commands.append(command)
         self._wake.set()
 
@@ -326,6 +345,13 @@ class AsyncEngine:
             command = self._commands.popleft()
             if isinstance(command, _Abort):
                 self._abort(command.request_id)
+            elif isinstance(command, _Call):
+                try:
+                    command.fn(self.engine)
+                    error = None
+                except ValueError as exc:
+                    error = exc
+                self._loop.call_soon_threadsafe(_resolve, command.accepted, error)
             else:
                 self._add(command)
 
@@ -407,7 +433,7 @@ class AsyncEngine:
         self._streams.clear()
         while self._commands:
             c = self._commands.popleft()
-            if isinstance(c, _Add) and self._loop is not None:
+            if isinstance(c, (_Add, _Call)) and self._loop is not None:
                 self._loop.call_soon_threadsafe(_resolve, c.accepted, error)
         self._post(batch)
 
