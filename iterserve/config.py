@@ -197,6 +197,9 @@ class ServerConfig:
     pooling: Literal["last", "mean"] = _help("how /v1/embeddings pools the final-norm hidden states: the last "
                                              "prompt token's (vLLM's default for a causal LM) or their mean; "
                                              "L2-normalized", default="last")
+    runtime_lora_updating: bool = _help(
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA updating): a client "
+        "then names adapter directories on this machine's disk for the server to read", default=False)
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = _help(
         "split chat replies' <think>...</think> into reasoning_content (and reasoning) and content; deepseek_r1: "
         "a reply starts in reasoning, qwen3: only when it opens with <think> (docs/api.md)", default=None)

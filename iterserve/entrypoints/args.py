@@ -56,7 +56,7 @@ def _add_flag(group, name: str, info, default) -> None:
             group.add_argument(flag, dest=name, action="store_true", help=text)
         return
     if typing.get_origin(kind) is list:  # NAME=PATH ... (lora_modules)
-        group.add_argument(flag, dest=name, nargs="+", default=info.get_default(call_default_factory=True),
+        group.add_argument(flag, dest=name, nargs="+", default=None,  # None: the field's empty list
                            help=text, metavar=name.split("_")[-1].upper().removesuffix("S"))
         return
     choices = list(typing.get_args(kind)) if typing.get_origin(kind) is Literal else None

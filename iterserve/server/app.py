@@ -98,11 +98,13 @@ class Routes:
 def build_app(async_engine: EngineClient, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20, metrics=None,
               allowed_origins: list[str] | None = None, diagnostics: Diagnostics | None = None,
-              pooling: str = "last", reasoning_parser: str | None = None) -> FastAPI:
+              pooling: str = "last", reasoning_parser: str | None = None,
+              runtime_lora_updating: bool = False) -> FastAPI:
     """The OpenAI app over an engine client (server/engine_client.py), checked here. `metrics`: what
     /metrics renders; by default a ServerMetrics fed by the client's on_step. A caller that passes its
     own (the Ray ingress: ClusterMetrics) feeds it itself. `pooling`: how /v1/embeddings pools;
-    `reasoning_parser`: how chat replies' reasoning is split off (server/reasoning.py)."""
+    `reasoning_parser`: how chat replies' reasoning is split off (server/reasoning.py); `runtime_lora_updating`:
+    mount the LoRA load/unload routes (server/lora_routes.py)."""
     check_engine_client(async_engine)
     if metrics is None:
         metrics = ServerMetrics(served_model_name)
@@ -312,7 +314,8 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
     from iterserve.server import embeddings  # here: the routers' modules import this one
     routes = Routes(async_engine, served_model_name, check_model, start, chat_prompt, start_chat)
     app.include_router(embeddings.router(routes, pooling))
-    app.include_router(lora_routes.router(routes))
+    if runtime_lora_updating:  # off by default: its requests name files on this machine
+        app.include_router(lora_routes.router(routes))
 
     if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, Engine):  # they read its scheduler
         mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics

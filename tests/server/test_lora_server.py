@@ -37,7 +37,7 @@ def adapters(tiny_model_dir, tmp_path_factory):
 def server(tiny_model_dir, adapters):
     config = EngineConfig(model=tiny_model_dir, dtype="float32", device="cpu", num_kv_blocks=256, max_loras=3,
                           max_lora_rank=8, lora_modules=[f"a0={adapters['a0'][0]}"])
-    s = start_server(Engine(config))
+    s = start_server(Engine(config), runtime_lora_updating=True)
     yield s
     s.stop()
 
@@ -163,3 +163,10 @@ def test_bad_loads_are_400s(server, adapters, tmp_path, body, words):
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"] or words == r.json()["error"].get("param")
     assert "x" not in [c["id"] for c in httpx.get(server.base_url + "/models").json()["data"]]
+
+
+def test_runtime_loading_is_off_unless_asked(fake_server):
+    r = httpx.post(fake_server.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+    assert r.status_code == 404
+    r = httpx.post(fake_server.url + "/v1/completions", json={"model": "x", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
