@@ -172,7 +172,7 @@ class ModelRunner:
         self.kv_cache_spec = replace(self.kv_cache_spec, num_device_blocks=num_kv_blocks,
                                      num_host_blocks=num_host_blocks)
         self.graphs: CudaGraphRunner | None = None  # the measurement below runs eagerly
-        self.lora = self._lora_slots(tp)
+        self.lora = LoRASlots.build(self.model, mc, tp)  # None under tensor parallelism
         if config.scheduler_config.preemption_mode == "auto":
             self.kv_cache_spec = replace(self.kv_cache_spec, **self._measure_preemption_costs())
         if self.device.type == "cpu":  # after the measurement's few blocks: they stay on small pages
@@ -350,30 +350,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------ LoRA adapters (model/lora.py)
 
-    def _lora_slots(self, tp) -> LoRASlots | None:
-        """The resident adapter slots, with --lora-modules loaded; None under tensor parallelism."""
-        mc = self.config.model_config
-        if tp is not None:
-            if mc.lora_modules:
-                raise ValueError("--lora-modules: LoRA adapters are not served under tensor parallelism")
-            return None
-        slots = LoRASlots(self.model, mc.max_loras, mc.max_lora_rank)
-        for spec in mc.lora_modules:
-            slots.load(*spec.split("=", 1))
-        return slots
-
     @property
     def lora_adapters(self) -> dict[str, str]:
         """The loaded adapters: name -> path."""
         return {} if self.lora is None else {name: a.path for name, a in self.lora.adapters.items()}
 
     def load_lora(self, name: str, path: str) -> None:
-        with torch.inference_mode():
-            self.lora.load(name, path)
+        self.lora.load(name, path)
 
     def unload_lora(self, name: str) -> None:
-        with torch.inference_mode():
-            self.lora.unload(name)
+        self.lora.unload(name)
 
     def _move_blocks(self, plan: SchedulerOutput) -> None:
         """Whole blocks across all layers: kv[:, :, block] is every layer's K and V of that block."""

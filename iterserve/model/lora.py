@@ -133,6 +133,20 @@ class LoRASlots:
         self.a: list[dict[str, torch.Tensor]] | None = None  # per layer: fused name -> [slots, R, in]
         self.b: list[dict[str, torch.Tensor]] | None = None  # per layer: fused name -> [slots, out, R]
 
+    @classmethod
+    def build(cls, model, model_config, tp) -> LoRASlots | None:
+        """The slots with config.ModelConfig's lora_modules loaded; None under tensor parallelism, whose
+        ranks hold shards of the weights an adapter would have to be split like."""
+        if tp is not None:
+            if model_config.lora_modules:
+                raise ValueError("--lora-modules: LoRA adapters are not served under tensor parallelism")
+            return None
+        slots = cls(model, model_config.max_loras, model_config.max_lora_rank)
+        for spec in model_config.lora_modules:
+            slots.load(*spec.split("=", 1))
+        return slots
+
+    @torch.inference_mode()
     def load(self, name: str, path: str) -> None:
         if name in self.slot_of:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
@@ -147,6 +161,7 @@ class LoRASlots:
         self._install(free[0], adapter)
         self.adapters[name], self.slot_of[name] = adapter, free[0]
 
+    @torch.inference_mode()
     def unload(self, name: str) -> None:
         if name not in self.slot_of:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded")

@@ -23,13 +23,13 @@ NEW_TOKENS = 12
 
 
 def make_adapter(hf, path: str, seed: int, r: int = 8, targets=tuple(ALL), rslora: bool = False,
-                 b_std: float = 0.05):
+                 b_std: float = 0.05, **lora_config):
     """A random PEFT LoRA adapter of `hf` saved at `path`; returns transformers + PEFT's model of it.
     B is random too (PEFT starts it at zero), so the adapter changes the outputs."""
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
     config = LoraConfig(r=r, lora_alpha=16, target_modules=list(targets), lora_dropout=0.0, use_rslora=rslora,
-                        init_lora_weights=False)
+                        init_lora_weights=False, **lora_config)
     model = get_peft_model(copy.deepcopy(hf), config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -220,6 +220,15 @@ def test_refusals(tiny, tmp_path):
     assert set(engine.lora_adapters) == {"a0", "a1"}
 
 
+def test_per_module_ranks_load(tiny, tmp_path):
+    base, hf, _ = tiny
+    path = str(tmp_path / "pattern")
+    peft_model = make_adapter(hf, path, seed=11, r=8, rank_pattern={"q_proj": 2, "down_proj": 4})
+    engine = tiny_engine(base, lora_modules=[f"p={path}"])
+    p = prompts(1, seed=11)[0]
+    assert run(engine, [p], ["p"])[0].token_ids == hf_greedy(peft_model, p)
+
+
 def test_lora_modules_beyond_max_loras_are_refused():
     with pytest.raises(ValueError, match="do not fit max_loras 1"):
         EngineConfig(lora_modules=["a=/x", "b=/y"], max_loras=1)
@@ -244,3 +253,24 @@ def test_default_model_with_a_random_rank8_adapter(tmp_path, default_model_path,
             assert theirs in {t for t, _ in out.logprobs[i].top}
             assert ours in set(torch.topk(logits[i], 5).indices.tolist())
             break
+
+
+def test_steps_with_adapters_never_replay_a_cuda_graph():
+    """The graphs hold the base weights alone: a pure-decode step that fits a bucket replays only without LoRA."""
+    from types import SimpleNamespace
+
+    from iterserve.executor.cuda_graphs import CudaGraphRunner
+    from iterserve.model.attention_metadata import AttentionMetadata
+    replayed, eager = [], []
+    graphs = CudaGraphRunner(lambda *a: None, torch.zeros(1, 2, 4, 16, 1, 1), max_num_seqs=8, max_model_len=64,
+                             block_size=16, sizes=[4, 8])
+    graphs.graphs = {4: None, 8: None}  # as if captured
+    graphs.run = lambda inputs: replayed.append(inputs.batch_size)
+    fake = SimpleNamespace(graphs=graphs, model=SimpleNamespace(forward=lambda *a, lora: eager.append(lora)))
+    md = AttentionMetadata(torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int32),
+                           torch.ones(3, dtype=torch.int32), torch.zeros(3, 2, dtype=torch.int32), 1, 1, [1] * 3, [1] * 3)
+    t = torch.zeros(3, dtype=torch.int64)
+    lora = object()
+    ModelRunner._run_model(fake, t, t, None, md, t, lora)
+    ModelRunner._run_model(fake, t, t, None, md, t)
+    assert eager == [lora] and replayed == [3]
