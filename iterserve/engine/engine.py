@@ -20,7 +20,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine.output_processor import OutputProcessor, OutputState
 from iterserve.engine.spec_decode import NgramProposer, draftable
 from iterserve.engine.stats import EngineStats
-from iterserve.executor.base import Executor, ExecutorDeadError, LoRAExecutor, check_executor
+from iterserve.executor.base import Executor, ExecutorDeadError, LoRAExecutor, LoRANotFoundError, check_executor
 from iterserve.kv_transfer.connector import KVTransfer
 from iterserve.outputs import RequestOutput, StepRecord
 from iterserve.request import Request, RequestStatus, RequestTimes
@@ -100,7 +100,7 @@ class Engine:
         params = params or SamplingParams()
         params.validate()
         if params.lora_name is not None and params.lora_name not in self.lora_adapters:
-            raise ValueError(f"lora_name: no LoRA adapter named {params.lora_name!r} is loaded "
+            raise LoRANotFoundError(f"lora_name: no LoRA adapter named {params.lora_name!r} is loaded "
                              f"(loaded: {', '.join(self.lora_adapters) or 'none'})")
         token_ids = self.encode(prompt)
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
@@ -145,9 +145,9 @@ class Engine:
         self._lora_executor().unload_lora(name)
 
     def _lora_executor(self) -> LoRAExecutor:
-        if not isinstance(self.executor, LoRAExecutor) or self.config.model_config.max_loras == 0:
-            raise ValueError(f"{type(self.executor).__name__} serves no LoRA adapters here (the single-process "
-                             "model runner with --max-loras > 0 does)")
+        if not isinstance(self.executor, LoRAExecutor):
+            raise ValueError(f"{type(self.executor).__name__} serves no LoRA adapters (the single-process model "
+                             "runner does)")
         return self.executor
 
     def _add(self, request: Request, params: SamplingParams, index: int, parent_id: str | None) -> None:

@@ -48,6 +48,10 @@ class PoolingExecutor(Protocol):
     supports_pooling: bool
 
 
+class LoRANotFoundError(ValueError):
+    """No LoRA adapter of that name is loaded (HTTP: 404)."""
+
+
 @runtime_checkable
 class LoRAExecutor(Protocol):
     """An executor that runs requests under LoRA adapters (SamplingParams.lora_name; model/lora.py), loaded and

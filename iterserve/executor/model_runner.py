@@ -352,8 +352,8 @@ class ModelRunner:
 
     @property
     def lora_adapters(self) -> dict[str, str]:
-        """The loaded adapters: name -> path."""
-        return {} if self.lora is None else {name: a.path for name, a in self.lora.adapters.items()}
+        """The loaded adapters: name -> path (read-only: any thread may read it)."""
+        return {} if self.lora is None else self.lora.paths
 
     def load_lora(self, name: str, path: str) -> None:
         self.lora.load(name, path)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from iterserve.executor.base import LoRANotFoundError
+
 # PEFT's module name -> (the model's fused linear, its part)
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
@@ -130,6 +132,8 @@ class LoRASlots:
         self.num_layers = cfg.num_layers
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slot_of: dict[str, int] = {}
+        # name -> path, replaced whole on each change, never edited: other threads read it (the HTTP routes)
+        self.paths: dict[str, str] = {}
         self.a: list[dict[str, torch.Tensor]] | None = None  # per layer: fused name -> [slots, R, in]
         self.b: list[dict[str, torch.Tensor]] | None = None  # per layer: fused name -> [slots, out, R]
 
@@ -148,6 +152,8 @@ class LoRASlots:
 
     @torch.inference_mode()
     def load(self, name: str, path: str) -> None:
+        if self.max_loras == 0:
+            raise ValueError("LoRA is off here (--max-loras 0)")
         if name in self.slot_of:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
         free = sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
@@ -160,13 +166,15 @@ class LoRASlots:
             self._allocate()
         self._install(free[0], adapter)
         self.adapters[name], self.slot_of[name] = adapter, free[0]
+        self.paths = {**self.paths, name: path}
 
     @torch.inference_mode()
     def unload(self, name: str) -> None:
         if name not in self.slot_of:
-            raise ValueError(f"no LoRA adapter named {name!r} is loaded")
+            raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded")
         slot = self.slot_of.pop(name)
         del self.adapters[name]
+        self.paths = {k: v for k, v in self.paths.items() if k != name}
         for layer_a, layer_b in zip(self.a, self.b):
             for fused in layer_a:
                 layer_a[fused][slot].zero_()

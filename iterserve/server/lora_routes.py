@@ -12,6 +12,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from iterserve.engine import Engine
+from iterserve.executor.base import LoRANotFoundError
 from iterserve.server.async_engine import AsyncEngine, EngineDeadError
 from iterserve.server.protocol import ModelCard
 
@@ -56,10 +57,10 @@ def router(routes) -> APIRouter:
             raise ApiError(400, "LoRA adapters are served by a single engine (not behind --pd or Ray replicas)")
         try:
             await client.call(fn)
+        except LoRANotFoundError as e:
+            raise ApiError(404, str(e), "not_found_error", "lora_name") from e
         except ValueError as e:
-            status = 404 if str(e).startswith("no LoRA adapter named") else 400
-            raise ApiError(status, str(e), "not_found_error" if status == 404 else "invalid_request_error",
-                           "lora_name" if status == 404 else None) from e
+            raise ApiError(400, str(e)) from e
         except EngineDeadError as e:
             raise ApiError(e.status, str(e), e.type) from e
 

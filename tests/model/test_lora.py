@@ -274,3 +274,51 @@ def test_steps_with_adapters_never_replay_a_cuda_graph():
     ModelRunner._run_model(fake, t, t, None, md, t, lora)
     ModelRunner._run_model(fake, t, t, None, md, t)
     assert eager == [lora] and replayed == [3]
+
+
+def _slots(max_loras: int, max_rank: int, seed: int):
+    """LoRASlots of a one-layer model shape, every slot filled with random A and B (the fused layout's zeros kept)."""
+    from types import SimpleNamespace
+
+    from iterserve.model.lora import LoRASlots
+    cfg = SimpleNamespace(hidden_size=8, intermediate_size=12, num_layers=1, residual_multiplier=1.0)
+    model = SimpleNamespace(cfg=cfg, q_size=8, kv_size=4, layers=[SimpleNamespace(experts=None)],
+                            dtype=torch.float64, device=torch.device("cpu"))
+    slots = LoRASlots(model, max_loras, max_rank)
+    slots._allocate()
+    g = torch.Generator().manual_seed(seed)
+    for fused in slots.a[0]:
+        slots.a[0][fused].copy_(torch.randn(slots.a[0][fused].shape, generator=g, dtype=torch.float64))
+        slots.b[0][fused].copy_(torch.randn(slots.b[0][fused].shape, generator=g, dtype=torch.float64))
+    slots.slot_of = {f"s{i}": i for i in range(max_loras)}
+    return slots
+
+
+def test_grouped_rows_equal_each_row_under_its_own_adapter():
+    """The step's grouping by adapter adds, to every row, its own adapter's delta and nothing to base rows,
+    whatever the mix of requests, adapters and chunk lengths."""
+    from hypothesis import given, settings, strategies as st
+
+    slots = _slots(3, 2, seed=0)
+
+    @settings(max_examples=40, deadline=None)
+    @given(st.lists(st.tuples(st.sampled_from([None, "s0", "s1", "s2"]), st.integers(1, 5)), min_size=1, max_size=6))
+    def check(requests):
+        names, q_lens = [n for n, _ in requests], [k for _, k in requests]
+        x = torch.randn(sum(q_lens), 8, dtype=torch.float64)
+        y = torch.randn(sum(q_lens), 16, dtype=torch.float64)
+        want = y.clone()
+        row = 0
+        for name, k in requests:
+            if name is not None:
+                s = slots.slot_of[name]
+                want[row:row + k] += x[row:row + k] @ slots.a[0]["qkv"][s].T @ slots.b[0]["qkv"][s].T
+            row += k
+        batch = slots.batch(names, q_lens)
+        if batch is None:
+            assert all(n is None for n in names)
+        else:
+            batch.apply(y, x, 0, "qkv")
+        torch.testing.assert_close(y, want)
+
+    check()
