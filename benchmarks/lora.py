@@ -86,8 +86,9 @@ def main() -> None:
     mixed = [names[i % len(names)] for i in range(args.requests)]
     lora_tokens, lora_s = run(engine, prompts, mixed, args.max_tokens)
     print("$ python " + " ".join(sys.argv))
-    print(f"base alone:          {base_tokens} tokens in {base_s:.2f} s = {base_tokens / base_s:.1f} tok/s")
-    print(f"{args.adapters} adapters mixed:    {lora_tokens} tokens in {lora_s:.2f} s = {lora_tokens / lora_s:.1f} tok/s")
+    for label, tokens, seconds in (("base alone", base_tokens, base_s),
+                                   (f"{args.adapters} adapters mixed", lora_tokens, lora_s)):
+        print(f"{label:<20} {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s")
     print(f"ratio (adapters / base): {(lora_tokens / lora_s) / (base_tokens / base_s):.2f}")
 
 

@@ -21,7 +21,7 @@ from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.cpu_decode import DecodeLayers
 from iterserve.model.loader import ModelArch
-from iterserve.model.lora import LoRABatch
+from iterserve.model.lora import LayerLoRA, LoRABatch
 from iterserve.model.quant import (Codes, Int8Codes, Int8Weight, PanelWeight, Weight, cat_codes, check_supported,
                                    linear, pack_float, quantize, weight_only_on_panels)
 
@@ -230,8 +230,8 @@ class LlamaModel:
             x, delta = self.decode_layers(x, positions, kv_cache, plan)
         else:
             for i, layer in enumerate(self.layers):
-                adapters = None if lora is None else (lora, i)
-                x, delta = self._layer_forward(x, delta, layer, kv_cache[i], plan, positions, cos_sin, adapters)
+                layer_lora = None if lora is None else lora.layer(i)
+                x, delta = self._layer_forward(x, delta, layer, kv_cache[i], plan, positions, cos_sin, layer_lora)
         return x, delta
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -256,15 +256,16 @@ class LlamaModel:
             x = cpu_kernels.panel_rows(self.lm_head.panels, input_ids)
         return x.to(self.dtype)
 
-    def _layer_forward(self, x, delta, layer: LayerWeights, layer_cache, plan, positions, cos_sin, lora=None):
+    def _layer_forward(self, x, delta, layer: LayerWeights, layer_cache, plan, positions, cos_sin,
+                       lora: LayerLoRA | None = None):
         """x: the residual stream; delta: the last layer's MLP output, not yet added to it (the add is
         fused into this layer's first norm). Returns the same pair for the next layer.
-        lora: (the step's LoRABatch, this layer's index), or None."""
+        lora: this layer's LoRA adapters under the step's grouping, or None."""
         t, cfg = x.shape[0], self.cfg
         h = self._add_norm(x, delta, layer.attn_norm)
         qkv = linear(h, layer.qkv, layer.qkv_bias)
         if lora is not None:
-            lora[0].apply(qkv, h, lora[1], "qkv")
+            lora.add(qkv, h, "qkv")
         if layer.q_norm is not None:
             self._qk_norm(qkv, layer)
         q, k = self._rotate(qkv, positions, cos_sin, layer.rope)
@@ -273,20 +274,21 @@ class LlamaModel:
         attn = attn.reshape(t, self.q_size)
         out = linear(attn, layer.o)
         if lora is not None:
-            lora[0].apply(out, attn, lora[1], "o")
+            lora.add(out, attn, "o")
         out = self._reduce(out)
         if layer.attn_out_norm is not None:
             out = self._rms_norm(out, layer.attn_out_norm)
         h = self._add_norm(x, out, layer.mlp_norm)
-        out = self._reduce(self._mlp(h, layer.gate_up, layer.down, lora) if layer.experts is None else self._moe(h, layer))
+        out = self._mlp(h, layer.gate_up, layer.down, lora) if layer.experts is None else self._moe(h, layer)
+        out = self._reduce(out)
         if layer.mlp_out_norm is not None:
             out = self._rms_norm(out, layer.mlp_out_norm)
         return x, out
 
-    def _mlp(self, h: torch.Tensor, gate_up_w: Weight, down_w: Weight, lora=None) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, gate_up_w: Weight, down_w: Weight, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = linear(h, gate_up_w)
         if lora is not None:
-            lora[0].apply(gate_up, h, lora[1], "gate_up")
+            lora.add(gate_up, h, "gate_up")
         if self.cpu_ops and self.silu:
             act = cpu_kernels.silu_mul(gate_up)
         else:
@@ -294,7 +296,7 @@ class LlamaModel:
             act = (F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")) * up
         out = linear(act, down_w)
         if lora is not None:
-            lora[0].apply(out, act, lora[1], "down")
+            lora.add(out, act, "down")
         return out
 
     def _moe(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:

@@ -233,9 +233,20 @@ class LoRABatch:
     slots: LoRASlots
     groups: list[tuple[int, torch.Tensor | None]]
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, layer: int, fused: str) -> None:
+    def layer(self, i: int) -> LayerLoRA:
+        return LayerLoRA(self.slots.a[i], self.slots.b[i], self.groups)
+
+
+@dataclass(slots=True)
+class LayerLoRA:
+    """One layer's stacked adapters (fused name -> A, B) under the step's grouping."""
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+    groups: list[tuple[int, torch.Tensor | None]]
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, fused: str) -> None:
         """y += scale * (x A^T) B^T in place, each row under its own adapter (none for base rows)."""
-        a, b = self.slots.a[layer][fused], self.slots.b[layer][fused]
+        a, b = self.a[fused], self.b[fused]
         for slot, rows in self.groups:
             if rows is None:
                 y += (x @ a[slot].T) @ b[slot].T

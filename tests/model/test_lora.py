@@ -318,7 +318,7 @@ def test_grouped_rows_equal_each_row_under_its_own_adapter():
         if batch is None:
             assert all(n is None for n in names)
         else:
-            batch.apply(y, x, 0, "qkv")
+            batch.layer(0).add(y, x, "qkv")
         torch.testing.assert_close(y, want)
 
     check()
