@@ -99,9 +99,7 @@ class Engine:
         """Queue a request; returns its id. With n > 1 its outputs carry that id as parent_id."""
         params = params or SamplingParams()
         params.validate()
-        if params.lora_name is not None and params.lora_name not in self.lora_adapters:
-            raise LoRANotFoundError(f"lora_name: no LoRA adapter named {params.lora_name!r} is loaded "
-                             f"(loaded: {', '.join(self.lora_adapters) or 'none'})")
+        self._check_lora(params, cache_salt)
         token_ids = self.encode(prompt)
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary (0..{self.vocab_size - 1})")
@@ -132,6 +130,13 @@ class Engine:
     def lora_adapters(self) -> dict[str, str]:
         """Loaded adapters, name -> path (none where the executor serves no LoRA)."""
         return self.executor.lora_adapters if isinstance(self.executor, LoRAExecutor) else {}
+
+    def _check_lora(self, params: SamplingParams, cache_salt: str | None) -> None:
+        if cache_salt is not None and "\0" in cache_salt:  # reserved for the adapters' salts (Request.prefix_salt)
+            raise ValueError("cache_salt must not contain a NUL character")
+        if params.lora_name is not None and params.lora_name not in self.lora_adapters:
+            raise LoRANotFoundError(f"lora_name: no LoRA adapter named {params.lora_name!r} is loaded "
+                                    f"(loaded: {', '.join(self.lora_adapters) or 'none'})")
 
     def load_lora(self, name: str, path: str) -> None:
         self._lora_executor().load_lora(name, path)

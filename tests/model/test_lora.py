@@ -322,3 +322,17 @@ def test_grouped_rows_equal_each_row_under_its_own_adapter():
         torch.testing.assert_close(y, want)
 
     check()
+
+
+def test_adapter_salts_never_meet_cache_salts():
+    from iterserve.request import Request, RequestTimes
+
+    def salt(lora, cache_salt):
+        return Request("r", [1], SamplingParams(lora_name=lora), RequestTimes(0.0), cache_salt=cache_salt).prefix_salt
+
+    pairs = [(None, None), (None, "x"), ("a", None), ("a", "x"), ("ax", None), ("a", "1:ax"), ("a:", "x")]
+    assert len({salt(*p) for p in pairs}) == len(pairs)
+    from iterserve.engine import Engine
+    from tests.fake_executor import FakeExecutor
+    with pytest.raises(ValueError, match="NUL"):
+        Engine(EngineConfig(), FakeExecutor()).add_request([1, 2], cache_salt="\0lora:1:a")
