@@ -46,8 +46,13 @@ def read_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"LoRA adapter {name!r}: no adapter_config.json in {path!r}; give {SUPPORTED}")
-    with open(config_path) as f:
-        config = json.load(f)
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"LoRA adapter {name!r}: cannot read {config_path!r}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {name!r}: {config_path!r} is not a JSON object")
     _check_config(name, config)
     tensors = _read_tensors(name, path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -97,13 +102,15 @@ def _check_config(name: str, config: dict) -> None:
 
 
 def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
-    safetensors_path = os.path.join(path, "adapter_model.safetensors")
-    if os.path.isfile(safetensors_path):
-        from safetensors.torch import load_file
-        return load_file(safetensors_path)
-    bin_path = os.path.join(path, "adapter_model.bin")
-    if os.path.isfile(bin_path):
-        return torch.load(bin_path, map_location="cpu", weights_only=True)
+    safetensors_path, bin_path = (os.path.join(path, f) for f in ("adapter_model.safetensors", "adapter_model.bin"))
+    try:
+        if os.path.isfile(safetensors_path):
+            from safetensors.torch import load_file
+            return load_file(safetensors_path)
+        if os.path.isfile(bin_path):
+            return torch.load(bin_path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a corrupt file is the caller's bad input, whatever the reader raises
+        raise ValueError(f"LoRA adapter {name!r}: cannot read its weights in {path!r}: {e}") from None
     raise ValueError(f"LoRA adapter {name!r}: no adapter_model.safetensors (or .bin) in {path!r}")
 
 
@@ -175,6 +182,9 @@ class LoRASlots:
         slot = self.slot_of.pop(name)
         del self.adapters[name]
         self.paths = {k: v for k, v in self.paths.items() if k != name}
+        self._clear(slot)
+
+    def _clear(self, slot: int) -> None:
         for layer_a, layer_b in zip(self.a, self.b):
             for fused in layer_a:
                 layer_a[fused][slot].zero_()
@@ -205,6 +215,7 @@ class LoRASlots:
                   for _ in range(self.num_layers)]
 
     def _install(self, slot: int, adapter: LoRAAdapter) -> None:
+        self._clear(slot)  # an untargeted part must add nothing, whatever a failed load left there
         for (layer, module), (a, b) in adapter.weights.items():
             fused, part = TARGETS[module]
             r, lo = a.shape[0], part * self.max_rank

@@ -73,7 +73,7 @@ class _Abort:
 @dataclass(slots=True)
 class _Call:
     fn: Callable[[Engine], None]  # an engine call other than add/abort (LoRA load/unload)
-    accepted: asyncio.Future  # resolved on the engine thread: None, or the ValueError fn raised
+    accepted: asyncio.Future  # resolved on the engine thread: None, or the exception fn raised
 
 
 @dataclass(slots=True, eq=False)
@@ -295,7 +295,7 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[Engine], None]) -> None:
         """fn(engine) on the engine thread between steps, in order with the adds and aborts queued before it;
-        raises the ValueError it raised (or EngineDeadError)."""
+        raises what it raised (or EngineDeadError)."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine loop has died: {self.dead!r}")
         self.start()
@@ -346,14 +346,20 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 self._abort(command.request_id)
             elif isinstance(command, _Call):
-                try:
-                    command.fn(self.engine)
-                    error = None
-                except ValueError as exc:
-                    error = exc
-                self._loop.call_soon_threadsafe(_resolve, command.accepted, error)
+                self._call(command)
             else:
                 self._add(command)
+
+    def _call(self, c: _Call) -> None:
+        """Whatever fn raises goes back to its caller: a failed adapter load never ends the step loop."""
+        error: BaseException | None = None
+        try:
+            c.fn(self.engine)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, who answers 400 or 500
+            if not isinstance(exc, ValueError):
+                logger.exception("an engine call failed")
+            error = exc
+        self._loop.call_soon_threadsafe(_resolve, c.accepted, error)
 
     def _abort(self, request_id: str, error: BaseException | None = None) -> None:
         stream = self._streams.pop(request_id, None)

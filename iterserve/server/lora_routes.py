@@ -63,6 +63,8 @@ def router(routes) -> APIRouter:
             raise ApiError(400, str(e)) from e
         except EngineDeadError as e:
             raise ApiError(e.status, str(e), e.type) from e
+        except Exception as e:  # noqa: BLE001 - the engine loop lives on (AsyncEngine._call)
+            raise ApiError(500, f"the adapter operation failed: {e!r}", "internal_error") from e
 
     @api.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest):

@@ -153,9 +153,14 @@ def test_unloading_an_adapter_in_use_is_refused_then_allowed(server, client, ada
     ({"lora_name": "a0", "lora_path": "A0"}, "already loaded"),
     ({"lora_name": "x", "lora_path": "A0", "lora_int_id": 3}, "lora_int_id"),
     ({"lora_name": "x"}, "lora_path"),
+    ({"lora_name": "x", "lora_path": "CORRUPT"}, "cannot read its weights"),
 ])
 def test_bad_loads_are_400s(server, adapters, tmp_path, body, words):
     body = {k: adapters["big"][0] if v == "BIG" else adapters["a0"][0] if v == "A0" else v for k, v in body.items()}
+    if body.get("lora_path") == "CORRUPT":
+        body["lora_path"] = str(tmp_path)
+        (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "lora_alpha": 8}')
+        (tmp_path / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     if body.get("lora_path", "").endswith(".gguf"):
         body["lora_path"] = str(tmp_path / "adapter.gguf")
         (tmp_path / "adapter.gguf").write_bytes(b"GGUF")
