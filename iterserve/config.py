@@ -39,6 +39,17 @@ def _check_ray_address(address: str | None) -> str | None:
     return address
 
 
+def _check_lora_modules(specs: list[str] | None) -> list[str]:
+    specs = list(specs or [])
+    for spec in specs:
+        if not isinstance(spec, str) or not re.fullmatch(r"[^=\s]+=\S.*", spec):
+            raise ValueError(f"lora_modules: {spec!r} is not NAME=PATH")
+    names = [spec.split("=", 1)[0] for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_modules: a name given twice in {names}")
+    return specs
+
+
 Bytes = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
 # The routing policies of `serve --router` (router/policy.py make_router builds each; a test keeps this
 # list equal to its POLICIES).
@@ -76,6 +87,11 @@ class ModelConfig:
     num_threads: int | None = _help("torch threads (per rank under tensor parallelism); default: all cores",
                                     default=None, ge=1)
     use_cuda_graphs: bool = _help("replay CUDA graphs for decode steps", default=True)
+    lora_modules: Annotated[list[str], BeforeValidator(_check_lora_modules)] = _help(
+        "LoRA adapters to load at start, as NAME=PATH (a PEFT directory); a request picks one by its model "
+        "field (docs/serving.md)", default_factory=list)
+    max_loras: int = _help("LoRA adapters resident at once (slots; 0: no LoRA)", default=4, ge=0)
+    max_lora_rank: int = _help("the highest LoRA rank an adapter may have", default=16, ge=1)
 
 
 @pydantic_dataclass(config=_STRICT)
@@ -181,6 +197,9 @@ class ServerConfig:
     pooling: Literal["last", "mean"] = _help("how /v1/embeddings pools the final-norm hidden states: the last "
                                              "prompt token's (vLLM's default for a causal LM) or their mean; "
                                              "L2-normalized", default="last")
+    runtime_lora_updating: bool = _help(
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA updating): a client "
+        "then names adapter directories on this machine's disk for the server to read", default=False)
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = _help(
         "split chat replies' <think>...</think> into reasoning_content (and reasoning) and content; deepseek_r1: "
         "a reply starts in reasoning, qwen3: only when it opens with <think> (docs/api.md)", default=None)
@@ -225,6 +244,9 @@ class EngineConfig:
         self._check_across_sections()
 
     def _check_across_sections(self) -> None:
+        if len(self.model_config.lora_modules) > self.model_config.max_loras:
+            raise ValueError(f"{len(self.model_config.lora_modules)} lora_modules do not fit max_loras "
+                             f"{self.model_config.max_loras}")
         spec = self.speculative_config
         if spec.prompt_lookup_min > spec.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min {spec.prompt_lookup_min} exceeds prompt_lookup_max "

@@ -93,6 +93,14 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
 
     @property
+    def prefix_salt(self) -> str | None:
+        """What salts its prefix hashes: the cache salt and the LoRA adapter, so the same prompt under two
+        adapters (whose K/V differ) never shares a block. An adapter's salt starts with a NUL, which no
+        cache salt holds (Engine.add_request), and carries the name's length: no two pairs meet."""
+        lora = self.sampling_params.lora_name
+        return self.cache_salt if lora is None else f"\0lora:{len(lora)}:{lora}{self.cache_salt or ''}"
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -54,6 +54,8 @@ class SamplingParams:
     # A prompt-only request (an embedding): its prompt is computed, its final-norm hidden states pooled
     # ("last" token or "mean" over the prompt, L2-normalized) and it ends there, with no token sampled.
     pooling: str | None = None
+    # The LoRA adapter the request runs under, by its loaded name (model/lora.py); None: the base model.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,6 +102,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.prompt_logprobs is not None and (not _int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
             raise bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise bad("lora_name", f"must be a non-empty string, got {self.lora_name!r}")
         if self.pooling not in (None, "last", "mean"):
             raise bad("pooling", f"must be 'last' or 'mean', got {self.pooling!r}")
 

@@ -20,7 +20,7 @@ from iterserve.config import EngineConfig
 from iterserve.engine.output_processor import OutputProcessor, OutputState
 from iterserve.engine.spec_decode import NgramProposer, draftable
 from iterserve.engine.stats import EngineStats
-from iterserve.executor.base import Executor, ExecutorDeadError, check_executor
+from iterserve.executor.base import Executor, ExecutorDeadError, LoRAExecutor, LoRANotFoundError, check_executor
 from iterserve.kv_transfer.connector import HandoffMeta, KVTransfer
 from iterserve.outputs import RequestOutput, StepRecord
 from iterserve.request import Request, RequestStatus, RequestTimes
@@ -103,6 +103,7 @@ class Engine:
         """Queue a request; returns its id. With n > 1 its outputs carry that id as parent_id."""
         params = params or SamplingParams()
         params.validate()
+        self._check_lora(params, cache_salt)
         token_ids = self.encode(prompt)
         if params.logit_bias and self.vocab_size is not None and max(params.logit_bias) >= self.vocab_size:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary (0..{self.vocab_size - 1})")
@@ -127,6 +128,36 @@ class Engine:
                 raise
         self.parents[request_id] = children
         return request_id
+
+    # ---- LoRA adapters (model/lora.py); between steps, as every engine call ----------------------
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters, name -> path (none where the executor serves no LoRA)."""
+        return self.executor.lora_adapters if isinstance(self.executor, LoRAExecutor) else {}
+
+    def _check_lora(self, params: SamplingParams, cache_salt: str | None) -> None:
+        if cache_salt is not None and "\0" in cache_salt:  # reserved for the adapters' salts (Request.prefix_salt)
+            raise ValueError("cache_salt must not contain a NUL character")
+        if params.lora_name is not None and params.lora_name not in self.lora_adapters:
+            raise LoRANotFoundError(f"lora_name: no LoRA adapter named {params.lora_name!r} is loaded "
+                                    f"(loaded: {', '.join(self.lora_adapters) or 'none'})")
+
+    def load_lora(self, name: str, path: str) -> None:
+        self._lora_executor().load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Refused while a request runs under the adapter: its slot's weights are still being read."""
+        users = sum(r.sampling_params.lora_name == name for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s); unload it "
+                             "when they finish")
+        self._lora_executor().unload_lora(name)
+
+    def _lora_executor(self) -> LoRAExecutor:
+        if not isinstance(self.executor, LoRAExecutor):
+            raise ValueError(f"{type(self.executor).__name__} serves no LoRA adapters (the single-process model "
+                             "runner does)")
+        return self.executor
 
     def _add(self, request: Request, params: SamplingParams, index: int, parent_id: str | None) -> None:
         self.scheduler.add_request(request)  # raises ValueError before touching any state

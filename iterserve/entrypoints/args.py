@@ -55,6 +55,10 @@ def _add_flag(group, name: str, info, default) -> None:
         else:
             group.add_argument(flag, dest=name, action="store_true", help=text)
         return
+    if typing.get_origin(kind) is list:  # NAME=PATH ... (lora_modules)
+        group.add_argument(flag, dest=name, nargs="+", default=None,  # None: the field's empty list
+                           help=text, metavar=name.split("_")[-1].upper().removesuffix("S"))
+        return
     choices = list(typing.get_args(kind)) if typing.get_origin(kind) is Literal else None
     convert = _byte_size if _is_byte_size(info) else (str if choices else kind)
     group.add_argument(flag, dest=name, type=convert, default=default, choices=choices, help=text,

@@ -58,6 +58,22 @@ class DeviceExecutor(Protocol):
     device_type: str  # "cpu", "cuda"
 
 
+class LoRANotFoundError(ValueError):
+    """No LoRA adapter of that name is loaded (HTTP: 404)."""
+
+
+@runtime_checkable
+class LoRAExecutor(Protocol):
+    """An executor that runs requests under LoRA adapters (SamplingParams.lora_name; model/lora.py), loaded and
+    unloaded between steps; not part of the Executor contract: the ModelRunner alone does."""
+
+    lora_adapters: dict[str, str]  # loaded name -> path
+
+    def load_lora(self, name: str, path: str) -> None: ...
+
+    def unload_lora(self, name: str) -> None: ...
+
+
 def check_executor(executor: object) -> None:
     """Raise TypeError naming every part of the contract the executor lacks or gets wrong."""
     name = type(executor).__name__

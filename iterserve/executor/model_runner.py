@@ -33,6 +33,7 @@ from iterserve.model.llama import LlamaModel
 from iterserve.model import cpu_paths, weight_cache
 from iterserve.model.cpu_kernels import linear_kernel, prebuild
 from iterserve.model.loader import ModelArch, default_model_path
+from iterserve.model.lora import LoRASlots
 from iterserve.model.quant import weight_only_on_panels
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
@@ -171,6 +172,7 @@ class ModelRunner:
         self.kv_cache_spec = replace(self.kv_cache_spec, num_device_blocks=num_kv_blocks,
                                      num_host_blocks=num_host_blocks)
         self.graphs: CudaGraphRunner | None = None  # the measurement below runs eagerly
+        self.lora = LoRASlots.build(self.model, mc, tp)  # None under tensor parallelism
         if config.scheduler_config.preemption_mode == "auto":
             self.kv_cache_spec = replace(self.kv_cache_spec, **self._measure_preemption_costs())
         if self.device.type == "cpu":  # after the measurement's few blocks: they stay on small pages
@@ -309,11 +311,13 @@ class ModelRunner:
         with torch.inference_mode():
             nrows = _logits_rows(plan.scheduled)  # once per step: _prepare and _sample both read it
             inputs = self._prepare(plan, nrows)
+            lora = None if self.lora is None else self.lora.batch(
+                [r.sampling_params.lora_name for r in plan.scheduled], [len(r.token_ids) for r in plan.scheduled])
             hidden_rows = _hidden_rows(plan.scheduled)
             if hidden_rows is None:
-                logits, pooled = self._run_model(*inputs), None
+                logits, pooled = self._run_model(*inputs, lora), None
             else:  # eagerly: a graph returns logits only
-                logits, hidden = self.model.forward(*inputs, torch.from_numpy(hidden_rows).to(self.device))
+                logits, hidden = self.model.forward(*inputs, torch.from_numpy(hidden_rows).to(self.device), lora)
                 pooled = self._pool(plan.scheduled, hidden.float())
             sampled, logprobs, prompt_lps, accepted = self._sample(plan, logits, nrows)
         return StepResult(sampled=sampled, logprobs=logprobs, accepted_drafts=accepted, prompt_logprobs=prompt_lps,
@@ -340,13 +344,27 @@ class ModelRunner:
             out[i] = torch.nn.functional.normalize(rows.reshape(-1), dim=0).tolist()
         return out
 
-    def _run_model(self, ids, pos, kv_cache, md: AttentionMetadata, logits_indices) -> torch.Tensor:
-        """A pure-decode batch that fits a captured bucket replays its graph; anything else runs eagerly."""
+    def _run_model(self, ids, pos, kv_cache, md: AttentionMetadata, logits_indices, lora=None) -> torch.Tensor:
+        """A pure-decode batch that fits a captured bucket replays its graph; anything else (a step with
+        LoRA adapters too: the graphs hold the base weights alone) runs eagerly."""
         g = self.graphs
-        if (g is not None and md.is_pure_decode and g.bucket(md.num_seqs) is not None
+        if (g is not None and lora is None and md.is_pure_decode and g.bucket(md.num_seqs) is not None
                 and md.block_tables.shape[1] <= g.static.block_tables.shape[1]):
             return g.run(DecodeInputs(ids, pos, md.slot_mapping, md.seq_lens, md.block_tables))
-        return self.model.forward(ids, pos, kv_cache, md, logits_indices)
+        return self.model.forward(ids, pos, kv_cache, md, logits_indices, lora=lora)
+
+    # ------------------------------------------------------------ LoRA adapters (model/lora.py)
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded adapters: name -> path (read-only: any thread may read it)."""
+        return {} if self.lora is None else self.lora.paths
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.lora.unload(name)
 
     def _move_blocks(self, plan: SchedulerOutput) -> None:
         """Whole blocks across all layers: kv[:, :, block] is every layer's K and V of that block."""

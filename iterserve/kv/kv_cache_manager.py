@@ -119,7 +119,7 @@ class KVCacheManager:
         hashed once in the request's life, however often it waits, is preempted or is looked up."""
         hashes = request.block_hashes
         if len(hashes) < num_blocks:
-            bs, tokens, salt = self.block_size, request.token_ids, request.cache_salt
+            bs, tokens, salt = self.block_size, request.token_ids, request.prefix_salt
             parent = hashes[-1] if hashes else None
             for i in range(len(hashes), num_blocks):
                 parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], salt)

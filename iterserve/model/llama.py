@@ -21,6 +21,7 @@ from iterserve.model.attention_backend import attention_backend
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.cpu_decode import DecodeLayers
 from iterserve.model.loader import ModelArch
+from iterserve.model.lora import LayerLoRA, LoRABatch
 from iterserve.model.quant import (Codes, Int8Codes, Int8Weight, PanelWeight, Weight, cat_codes, check_supported,
                                    linear, pack_float, quantize, weight_only_on_panels)
 
@@ -205,29 +206,32 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata, logits_indices: torch.Tensor,
-                hidden_indices: torch.Tensor | None = None):
+                hidden_indices: torch.Tensor | None = None, lora: LoRABatch | None = None):
         """input_ids/positions [T]; kv_cache [L, 2, blocks, block_size, Hkv, D] -> logits [S, vocab] in the
         model's dtype (the sampler widens them where it needs to: a greedy batch takes argmax as is).
-        With hidden_indices: (logits, the final-norm hidden states of those rows), for pooling."""
-        x, delta = self._residual(input_ids, positions, kv_cache, attn_metadata)
+        With hidden_indices: (logits, the final-norm hidden states of those rows), for pooling.
+        lora: the step's LoRA adapters by rows (model/lora.py); None: the base weights alone."""
+        x, delta = self._residual(input_ids, positions, kv_cache, attn_metadata, lora)
         logits = self._logits(self._rms_norm(delta.index_select(0, logits_indices), self.norm,
                                              x.index_select(0, logits_indices)))
         if hidden_indices is None:
             return logits
         return logits, self._rms_norm(delta.index_select(0, hidden_indices), self.norm, x.index_select(0, hidden_indices))
 
-    def _residual(self, input_ids, positions, kv_cache, attn_metadata):
+    def _residual(self, input_ids, positions, kv_cache, attn_metadata, lora=None):
         """Every layer over the step's tokens: the residual stream and the last MLP output not yet added to it."""
         plan = self.attention.prepare(attn_metadata)
         cos_sin = None if self.cpu_ops else [(c[positions], s[positions]) for c, s in self.rope_tables]
         x, delta = self._embed(input_ids), None
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        if self.decode_layers is not None and self.decode_layers.runs(plan, kv_cache):
+        # the C decode loop runs the base weights only: a step with adapters takes the layers here
+        if lora is None and self.decode_layers is not None and self.decode_layers.runs(plan, kv_cache):
             x, delta = self.decode_layers(x, positions, kv_cache, plan)
         else:
             for i, layer in enumerate(self.layers):
-                x, delta = self._layer_forward(x, delta, layer, kv_cache[i], plan, positions, cos_sin)
+                layer_lora = None if lora is None else lora.layer(i)
+                x, delta = self._layer_forward(x, delta, layer, kv_cache[i], plan, positions, cos_sin, layer_lora)
         return x, delta
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -252,33 +256,48 @@ class LlamaModel:
             x = cpu_packing.panel_rows(self.lm_head.panels, input_ids)
         return x.to(self.dtype)
 
-    def _layer_forward(self, x, delta, layer: LayerWeights, layer_cache, plan, positions, cos_sin):
+    def _layer_forward(self, x, delta, layer: LayerWeights, layer_cache, plan, positions, cos_sin,
+                       lora: LayerLoRA | None = None):
         """x: the residual stream; delta: the last layer's MLP output, not yet added to it (the add is
-        fused into this layer's first norm). Returns the same pair for the next layer."""
+        fused into this layer's first norm). Returns the same pair for the next layer.
+        lora: this layer's LoRA adapters under the step's grouping, or None."""
         t, cfg = x.shape[0], self.cfg
         h = self._add_norm(x, delta, layer.attn_norm)
         qkv = linear(h, layer.qkv, layer.qkv_bias)
+        if lora is not None:
+            lora.add(qkv, h, "qkv")
         if layer.q_norm is not None:
             self._qk_norm(qkv, layer)
         q, k = self._rotate(qkv, positions, cos_sin, layer.rope)
         v = qkv[:, self.q_size + self.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         attn = self.attention.attend(q, k, v, layer_cache, plan, self.scale, layer.window, cfg.attn_logit_softcap)
-        out = self._reduce(linear(attn.reshape(t, self.q_size), layer.o))
+        attn = attn.reshape(t, self.q_size)
+        out = linear(attn, layer.o)
+        if lora is not None:
+            lora.add(out, attn, "o")
+        out = self._reduce(out)
         if layer.attn_out_norm is not None:
             out = self._rms_norm(out, layer.attn_out_norm)
         h = self._add_norm(x, out, layer.mlp_norm)
-        out = self._reduce(self._mlp(h, layer.gate_up, layer.down) if layer.experts is None else self._moe(h, layer))
+        out = self._mlp(h, layer.gate_up, layer.down, lora) if layer.experts is None else self._moe(h, layer)
+        out = self._reduce(out)
         if layer.mlp_out_norm is not None:
             out = self._rms_norm(out, layer.mlp_out_norm)
         return x, out
 
-    def _mlp(self, h: torch.Tensor, gate_up_w: Weight, down_w: Weight) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, gate_up_w: Weight, down_w: Weight, lora: LayerLoRA | None = None) -> torch.Tensor:
         gate_up = linear(h, gate_up_w)
+        if lora is not None:
+            lora.add(gate_up, h, "gate_up")
         if self.cpu_ops and self.silu:
-            return linear(cpu_kernels.silu_mul(gate_up), down_w)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")
-        return linear(act * up, down_w)
+            act = cpu_kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = (F.silu(gate) if self.silu else F.gelu(gate, approximate="tanh")) * up
+        out = linear(act, down_w)
+        if lora is not None:
+            lora.add(out, act, "down")
+        return out
 
     def _moe(self, h: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """Routed experts as transformers computes them: softmax over the router's logits in float32, the

@@ -15,7 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 import iterserve
 from iterserve.engine.core import LocalEngineCore
 from iterserve.engine.diagnostics import Diagnostics
-from iterserve.server import chat, completions, embeddings, info, messages, responses
+from iterserve.server import chat, completions, embeddings, info, lora_routes, messages, responses
 from iterserve.server.async_engine import AsyncEngine
 from iterserve.server.dashboard import mount as mount_dashboard
 from iterserve.server.engine_client import EngineClient, check_engine_client
@@ -28,11 +28,13 @@ from iterserve.server.routes import Routes
 def build_app(async_engine: EngineClient, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20, metrics=None,
               allowed_origins: list[str] | None = None, diagnostics: Diagnostics | None = None,
-              pooling: str = "last", reasoning_parser: str | None = None) -> FastAPI:
+              pooling: str = "last", reasoning_parser: str | None = None,
+              runtime_lora_updating: bool = False) -> FastAPI:
     """The OpenAI app over an engine client (server/engine_client.py), checked here. `metrics`: what
     /metrics renders; by default a ServerMetrics fed by the client's on_step. A caller that passes its
     own (the Ray ingress: ClusterMetrics) feeds it itself. `pooling`: how /v1/embeddings pools;
-    `reasoning_parser`: how chat replies' reasoning is split off (server/reasoning.py)."""
+    `reasoning_parser`: how chat replies' reasoning is split off (server/reasoning.py); `runtime_lora_updating`:
+    mount the LoRA load/unload routes (server/lora_routes.py)."""
     check_engine_client(async_engine)
     if metrics is None:
         metrics = ServerMetrics(served_model_name)
@@ -55,6 +57,8 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
     app.include_router(embeddings.router(routes, pooling))
     app.include_router(responses.router(routes))
     app.include_router(messages.router(routes))
+    if runtime_lora_updating:  # off by default: its requests name files on this machine
+        app.include_router(lora_routes.router(routes))
 
     if isinstance(async_engine, AsyncEngine) and isinstance(async_engine.engine, LocalEngineCore):  # its KV spec, clock
         mount_dashboard(app, async_engine, metrics, diagnostics)  # /dashboard, /v1/dashboard, /v1/diagnostics

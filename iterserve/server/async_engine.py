@@ -78,6 +78,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[EngineCore], None]  # an engine call other than add/abort (LoRA load/unload)
+    accepted: asyncio.Future  # resolved on the engine thread: None, or the exception fn raised
+
+
 class AsyncEngine:
     def __init__(self, engine: EngineCore | Callable[[], EngineCore], *, max_waiting_requests: int | None = None,
                  request_timeout: float | None = None, log_interval: float = 10.0,
@@ -95,7 +101,7 @@ class AsyncEngine:
         self.dead: BaseException | None = None
         self.draining = False  # set by drain(): no new requests
         self._drain_deadline: float | None = None  # monotonic time when the rest are aborted
-        self._commands: deque[_Add | _Abort] = deque()  # deque append/popleft are thread-safe
+        self._commands: deque[_Add | _Abort | _Call] = deque()  # deque append/popleft are thread-safe
         self._wake = threading.Event()
         self._stop = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -249,7 +255,20 @@ class AsyncEngine:
         """Safe from any thread; the request leaves at the next step boundary."""
         self._submit(_Abort(request_id))
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[EngineCore], None]) -> None:
+        """fn(engine) on the engine thread between steps, in order with the adds and aborts queued before it;
+        raises what it raised (or EngineDeadError)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine loop has died: {self.dead!r}")
+        self.start()
+        self._loop = asyncio.get_running_loop()
+        accepted = self._loop.create_future()
+        self._submit(_Call(fn, accepted))
+        error = await accepted
+        if error is not None:
+            raise error
+
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
         self._commands.append(command)
         self._notify()
 
@@ -302,8 +321,21 @@ class AsyncEngine:
             command = self._commands.popleft()
             if isinstance(command, _Abort):
                 self._abort(command.request_id)
+            elif isinstance(command, _Call):
+                self._call(command)
             else:
                 self._add(command)
+
+    def _call(self, c: _Call) -> None:
+        """Whatever fn raises goes back to its caller: a failed adapter load never ends the step loop."""
+        error: BaseException | None = None
+        try:
+            c.fn(self.engine)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, who answers 400 or 500
+            if not isinstance(exc, ValueError):
+                logger.exception("an engine call failed")
+            error = exc
+        self._loop.call_soon_threadsafe(_resolve, c.accepted, error)
 
     def _abort(self, request_id: str, error: BaseException | None = None) -> None:
         stream = self._streams.pop(request_id, None)
@@ -396,7 +428,7 @@ class AsyncEngine:
         self._streams.clear()
         while self._commands:
             c = self._commands.popleft()
-            if isinstance(c, _Add) and self._loop is not None:
+            if isinstance(c, (_Add, _Call)) and self._loop is not None:
                 self._loop.call_soon_threadsafe(_resolve, c.accepted, error)
         self._post(batch)
 

@@ -30,7 +30,7 @@ def router(routes: Routes) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         chat = await routes.start_chat(body)
         stream, params = chat.stream, chat.params
-        created, model = int(time.time()), routes.model
+        created, model = int(time.time()), params.lora_name or routes.model
         if body.stream:
             return _SSEResponse([stream], _chat_chunks(chat, created, model, body.include_usage, token_text))
         outs = (await _collect([stream], request))[0]

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None, whatif_for: WhatIfFor | None = None) -> 
         diagnostics = make_diagnostics(engine, server.slo_ttft, server.slo_tpot, whatif_for)
     app = build_app(async_engine, name, api_key=server.api_key, max_request_bytes=server.max_request_bytes,
                     allowed_origins=origins, diagnostics=diagnostics, pooling=server.pooling,
-                    reasoning_parser=server.reasoning_parser)
+                    reasoning_parser=server.reasoning_parser, runtime_lora_updating=server.runtime_lora_updating)
     if server.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", server.host)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", name, server.host, server.port,

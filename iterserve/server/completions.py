@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from fastapi import APIRouter, Request
 
 from iterserve.outputs import RequestOutput
+from iterserve.server import lora_routes
 from iterserve.server.errors import ApiError
 from iterserve.server.protocol import (
     CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, PromptLogprob,
@@ -33,6 +34,7 @@ def router(routes: Routes) -> APIRouter:
             texts = body.prompt_list()
             prompts = [routes.engine.encode(p) for p in texts]
             params = body.completion_params()
+            params.lora_name = lora_routes.lora_name(routes.engine, body.model, routes.model)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         for p in prompts:
@@ -45,7 +47,7 @@ def router(routes: Routes) -> APIRouter:
             for s in streams:
                 s.engine.abort(s.request_id)
             raise
-        created, model = int(time.time()), routes.model
+        created, model = int(time.time()), params.lora_name or routes.model
         if body.stream:
             return _SSEResponse(streams, _completion_chunks(streams, params.n, created, model, body.include_usage,
                                                             token_text))

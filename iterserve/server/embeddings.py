@@ -8,6 +8,7 @@ token sampled, its KV blocks freed. Pooling is the server's (`--pooling`), not t
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict
 
 from iterserve.sampling_params import SamplingParams
+from iterserve.server import lora_routes
 from iterserve.server.errors import ApiError
 from iterserve.server.protocol import MAX_PROMPTS
 from iterserve.server.streams import _collect
@@ -80,7 +82,8 @@ def router(routes: Routes, pooling: str) -> APIRouter:
         streams = []
         try:
             for p in prompts:
-                streams.append(await routes.start(p, params))
+                streams.append(await routes.start(p, replace(params, lora_name=lora_routes.lora_name(
+                    routes.engine, body.model, routes.model))))
         except ApiError:
             for s in streams:
                 s.engine.abort(s.request_id)

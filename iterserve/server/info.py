@@ -8,6 +8,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import iterserve
+from iterserve.server import lora_routes
 from iterserve.server.async_engine import ShuttingDownError
 from iterserve.server.errors import ApiError, error_response
 from iterserve.server.protocol import (
@@ -37,12 +38,14 @@ def router(routes: Routes, metrics) -> APIRouter:
 
     @api.get("/v1/models")
     async def models():
-        return ModelList(data=[ModelCard(id=routes.model, max_model_len=max_model_len)])
+        return ModelList(data=[ModelCard(id=routes.model, max_model_len=max_model_len),
+                               *lora_routes.model_cards(routes.engine, routes.model, max_model_len)])
 
     @api.get("/v1/models/{model_id:path}")
     async def model_card(model_id: str):
         routes.check_model(model_id)
-        return ModelCard(id=routes.model, max_model_len=max_model_len)
+        cards = lora_routes.model_cards(routes.engine, routes.model, max_model_len)
+        return next((c for c in cards if c.id == model_id), ModelCard(id=routes.model, max_model_len=max_model_len))
 
     @api.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

@@ -398,6 +398,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "iterserve"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's path
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class TokenizeRequest(BaseModel):

@@ -9,7 +9,7 @@ from typing import Callable
 
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import StructuredOutputs
-from iterserve.server import tools
+from iterserve.server import lora_routes, tools
 from iterserve.server.async_engine import EngineDeadError, QueueFullError, ShuttingDownError
 from iterserve.server.engine_client import EngineClient
 from iterserve.server.errors import ApiError
@@ -50,7 +50,7 @@ class Routes:
         self.max_model_len = engine.max_model_len
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model:
+        if name is not None and name != self.model and name not in lora_routes.adapters(self.engine):
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model!r}",
                            "not_found_error", "model")
 
@@ -105,6 +105,7 @@ class Routes:
             # Chat's default: generate until the context is full (max(1): the engine reports the
             # prompt as too long, rather than max_tokens as invalid).
             params = body.sampling_params(max(1, self.max_model_len - len(prompt)), body.num_logprobs())
+            params.lora_name = lora_routes.lora_name(self.engine, body.model, self.model)
             if tool_list and (forced := tools.forced_schema(tool_list, choice, body.parallel_tool_calls)) is not None:
                 params = replace(params, structured_outputs=StructuredOutputs(json=json.dumps(forced)))
         except ValueError as e:

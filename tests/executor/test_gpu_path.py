@@ -132,7 +132,7 @@ def test_only_pure_decode_batches_in_a_bucket_replay():
                              block_size=BS, sizes=[4, 8])
     graphs.graphs = {4: None, 8: None}  # as if captured
     graphs.run = lambda inputs: replayed.append(inputs.batch_size)
-    fake = SimpleNamespace(graphs=graphs, model=SimpleNamespace(forward=lambda *a: eager.append(a[3].num_seqs)))
+    fake = SimpleNamespace(graphs=graphs, model=SimpleNamespace(forward=lambda *a, **kw: eager.append(a[3].num_seqs)))
 
     def md(q_lens, width=2):
         b = len(q_lens)
