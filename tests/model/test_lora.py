@@ -185,7 +185,7 @@ def test_load_and_unload_between_steps(tiny):
     engine.unload_lora("a2")
     with pytest.raises(ValueError, match="no LoRA adapter named 'a2'"):
         engine.add_request(p, SamplingParams(lora_name="a2"))
-    assert engine.scheduler.kv.pool.num_free_blocks == engine.scheduler.kv.num_blocks
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 def test_refusals(tiny, tmp_path):
