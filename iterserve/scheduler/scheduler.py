@@ -39,6 +39,9 @@ class Scheduler:
         # Speculative decoding (engine/spec_decode.py): draft tokens proposed for a running request's
         # next step. They are scheduled like its own tokens and dropped after that step.
         self.drafts: dict[str, list[int]] = {}
+        # (blocks, output tokens) the executor holds of each request it has seen since its last (re)start:
+        # the plan carries the rest as deltas (output.ScheduledRequest)
+        self.sent: dict[str, tuple[int, int]] = {}
         self.num_preemptions = 0
         self.num_drafts = 0  # requests' steps that carried drafts, since start
         self.num_draft_tokens = 0  # drafts verified
@@ -96,6 +99,7 @@ class Scheduler:
         if request is None:
             return None
         self.drafts.pop(request_id, None)
+        self.sent.pop(request_id, None)
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         elif request.status == RequestStatus.SWAPPED:
@@ -322,6 +326,7 @@ class Scheduler:
         """Swap its KV to the host pool, or drop it to be recomputed from the front of the queue."""
         self.running.remove(request)
         self.drafts.pop(request.request_id, None)
+        self.sent.pop(request.request_id, None)  # resumed, it is sent whole again
         request.num_preemptions += 1
         request.times.preempted.append(self.clock())
         self.num_preemptions += 1
@@ -354,10 +359,14 @@ class Scheduler:
         tokens = request.token_ids
         num_drafts = max(0, end - len(tokens))
         new = tokens[start:end] if not num_drafts else tokens[start:] + self.drafts[request.request_id][:num_drafts]
-        return ScheduledRequest(  # positional: built for every request in every step
-            request.request_id, new, start, self.kv.req_block_ids[request.request_id],
-            end >= len(tokens), request.sampling_params, len(request.output_token_ids),
-            request.prompt_token_ids, request.output_token_ids, False, num_drafts)
+        rid, blocks, outputs = request.request_id, self.kv.req_block_ids[request.request_id], request.output_token_ids
+        sent = self.sent.get(rid)
+        self.sent[rid] = (len(blocks), len(outputs))
+        if sent is None:  # new to the executor: its full data, copied (positional: built every step)
+            return ScheduledRequest(rid, new, start, list(blocks), end >= len(tokens), request.sampling_params,
+                                    len(outputs), list(request.prompt_token_ids), list(outputs), False, num_drafts)
+        return ScheduledRequest(rid, new, start, [], end >= len(tokens), request.sampling_params, len(outputs),
+                                [], [], False, num_drafts, True, blocks[sent[0]:], outputs[sent[1]:])
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:

@@ -292,7 +292,6 @@ def test_default_model_tp3_matches_tp1(default_model_path, prompts):
 
 
 
-@pytest.mark.xfail(strict=True, reason="ranks build no matchers of their own yet (issue 42)")
 def test_tp2_structured_output_after_a_handover(float_pair, prompts):
     """A request handed over by a prefill engine whose blocks did not arrive is recomputed here with its
     first token already in its output: every rank's matcher must start from that token, which no rank
