@@ -15,9 +15,10 @@ StepResult back from rank 0.
 
 Each step every rank applies the plan's swaps and copies to its own blocks, runs the forward (two
 all-reduces a layer, one logits all-gather) and samples from the same gathered logits with the same
-seeded generators and the same grammar matchers, each fed the same output deltas
-(executor/structured_output.py); rank 0 answers. Any rank that fails or dies stops every rank: the executor is
-then dead and says which rank failed and why (ExecutorDeadError, which the Engine does not survive).
+seeded generators and grammar matchers, the matchers fed the same output deltas on every rank
+(executor/structured_output.py); rank 0 answers. Any rank that fails or dies stops every rank: the
+executor is then dead and says which rank failed and why (ExecutorDeadError, which the Engine does
+not survive).
 """
 from __future__ import annotations
 

@@ -39,8 +39,8 @@ class Scheduler:
         # Speculative decoding (engine/spec_decode.py): draft tokens proposed for a running request's
         # next step. They are scheduled like its own tokens and dropped after that step.
         self.drafts: dict[str, list[int]] = {}
-        # (blocks, output tokens) the executor holds of each request it has seen since its last (re)start:
-        # the plan carries the rest as deltas (output.ScheduledRequest)
+        # (blocks, output tokens) the executor holds of each request sent whole since it last started
+        # running: its next rows carry only what was added (output.ScheduledRequest)
         self.sent: dict[str, tuple[int, int]] = {}
         self.num_preemptions = 0
         self.num_drafts = 0  # requests' steps that carried drafts, since start
@@ -300,7 +300,7 @@ class Scheduler:
             pos = min(request.num_computed_tokens, capacity - 1)
             request.num_computed_tokens = pos + 1
             plan.scheduled.append(ScheduledRequest(
-                request.request_id, [request.token_ids[-1]], pos, self.kv.block_table(request.request_id),
+                request.request_id, [request.token_ids[-1]], pos, list(self.kv.block_table(request.request_id)),
                 sample=True, sampling_params=request.sampling_params, is_padding=True))
             budget -= 1
 
