@@ -43,7 +43,8 @@ class ScheduledRequest:
         return self.start_pos + len(self.token_ids)
 
     def slot_mapping(self, block_size: int) -> list[int]:
-        """Cache slot (block_id * block_size + offset) of each new token."""
+        """Cache slot (block_id * block_size + offset) of each new token (of a new row, or of one
+        resolved against the executor's state: a cached row has no block table)."""
         bt = self.block_table
         return [bt[p // block_size] * block_size + p % block_size for p in range(self.start_pos, self.seq_len)]
 
