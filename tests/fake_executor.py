@@ -1,6 +1,7 @@
 """A deterministic executor for scheduler and engine tests: no model, checks the plan it gets."""
 from __future__ import annotations
 
+from iterserve.executor.request_state import RequestStates
 from iterserve.kv.spec import KVCacheSpec
 from iterserve.scheduler.output import SchedulerOutput, StepResult
 
@@ -25,8 +26,10 @@ class FakeExecutor:
         # slot -> token id written there: tests read a request's context back through its block table
         self.cache: dict[int, int] = {}
         self.host_cache: dict[int, int] = {}
+        self.states = RequestStates()  # block tables from the plans' new rows and deltas
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
+        plan = self.states.resolve(plan)  # kept resolved: tests read the block tables
         self.plans.append(plan)
         assert not (plan.swap_out and plan.swap_in), "one step never swaps both ways"
         self._copy(plan.swap_out, self.cache, self.host_cache)

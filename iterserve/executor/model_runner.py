@@ -25,6 +25,7 @@ from iterserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from iterserve.executor.base import KVCacheSpec, kv_head_width, num_blocks_for
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.logits_processors import make_adjust
+from iterserve.executor.request_state import RequestStates
 from iterserve.executor.sampler import make_batch, prompt_logprobs, sample, verify_random_drafts
 from iterserve.heap import advise_huge_pages
 from iterserve.model.attention import in_pairs, pairs_to_rows, rows_to_pairs
@@ -169,6 +170,7 @@ class ModelRunner:
         self.host_kv_cache = self._alloc_kv(num_host_blocks, torch.device("cpu"))
         self._generators: dict[str, torch.Generator] = {}
         self._pool_sums: dict[str, torch.Tensor] = {}  # mean pooling: the hidden states summed over earlier chunks
+        self.requests = RequestStates()  # block tables and token histories, from the plans' rows and deltas
         self.kv_cache_spec = replace(self.kv_cache_spec, num_device_blocks=num_kv_blocks,
                                      num_host_blocks=num_host_blocks)
         self.graphs: CudaGraphRunner | None = None  # the measurement below runs eagerly
@@ -306,6 +308,7 @@ class ModelRunner:
             self._pool_sums.pop(rid, None)
             if self._matchers is not None:
                 self._matchers.drop(rid)
+        plan = self.requests.resolve(plan)
         if not plan.scheduled:
             return StepResult(sampled=[], logprobs=None, step_time=time.perf_counter() - t0)
         with torch.inference_mode():

@@ -2,10 +2,19 @@
 that follows the request's output tokens, one token bitmask for the step's constrained rows.
 
 The server compiles a request's grammar in a worker thread before the request reaches the engine
-(a bad schema is a 400 there), so the step loop only finds it in the cache. A matcher is checked
-against the request's output before each use: tokens it has not seen are accepted, and if it is
-ahead (a sampled token that never joined the output) it is rebuilt from the output, so preemption,
-swaps and aborts cannot leave it out of step.
+(a bad schema is a 400 there), so the step loop only finds it in the cache (a tensor-parallel rank
+compiles it on first use).
+
+One source of truth: the request's output, as the scheduler appended it. A matcher advances only on
+the output tokens the executor's request state holds (executor/request_state.py: a new request's
+output, then each plan's output deltas), never on a token it just sampled, which may not join the
+output (a stop string, an abort, a preemption). It is a cache of (grammar, output) and is rebuilt
+from the output whenever it is ahead of it. So under tensor parallelism every rank keeps its own
+matchers, fed the same deltas, and all reach the same state with no traffic between them: a rank
+that never sampled a request's earlier tokens (a request handed over by a prefill engine, a rank's
+matcher rebuilt) replays them from its state. A driver that owned the matchers and shipped each
+step's bitmask rows would keep the grammar work off the ranks, but would run the sampler's
+steering (below) in another process than the sampler, and TP=1 and TP=N through different code.
 
 Near the end of its max_tokens a request is steered to the shortest completion of its grammar
 (close the string, the arrays, the objects, the required keys left), so an object that would run
@@ -149,13 +158,12 @@ class Matchers:
         return mask, rows
 
     def accept(self, reqs: list[ScheduledRequest], tokens: list[int], rows: list[int]) -> None:
-        """Follow the sampled tokens; near the end, replace in `tokens` one that leaves no room."""
+        """Near the end, replace in `tokens` one that leaves no room. The matchers take the tokens when
+        they join the output (the next plan's deltas)."""
         for i in rows:
             t = self.by_id[reqs[i].request_id]
             if t.watching:
                 tokens[i] = self._checked(reqs[i], t, tokens[i])
-            if t.matcher.accept_token(tokens[i]):
-                t.num_accepted += 1
 
     def _steered(self, r: ScheduledRequest, t: _Tracked) -> list[int] | None:
         """The only tokens allowed once the tokens left just fit the shortest completion and a stop
@@ -197,6 +205,7 @@ class Matchers:
         return t.plan
 
     def _synced(self, r: ScheduledRequest) -> _Tracked:
+        """The request's matcher, having accepted its output (r: a row resolved against the request state)."""
         t = self.by_id.get(r.request_id)
         if t is None or t.num_accepted > r.output_len:
             compiled = self.cache.compile(r.sampling_params.structured_outputs)

@@ -9,13 +9,16 @@ Why no rank lives in the engine process: the engine process stays a plain client
 A dead rank shows at once as its process sentinel, while the engine thread waits on pipes, never
 inside a collective that a dead peer would hang; every rank is the same code with the same thread
 count, so none is slowed by the engine's HTTP and detokenizing work; and shutting down is closing
-pipes. The cost is one pickled plan per step written to N pipes (the plan is small: ids, positions
-and block tables), and one pickled StepResult back from rank 0.
+pipes. The cost is one pickled plan per step written to N pipes (the plan is small: a request's full
+data once, then each step its new tokens and blocks; executor/request_state.py), and one pickled
+StepResult back from rank 0.
 
 Each step every rank applies the plan's swaps and copies to its own blocks, runs the forward (two
 all-reduces a layer, one logits all-gather) and samples from the same gathered logits with the same
-seeded generators; rank 0 answers. Any rank that fails or dies stops every rank: the executor is
-then dead and says which rank failed and why (ExecutorDeadError, which the Engine does not survive).
+seeded generators and grammar matchers, the matchers fed the same output deltas on every rank
+(executor/structured_output.py); rank 0 answers. Any rank that fails or dies stops every rank: the
+executor is then dead and says which rank failed and why (ExecutorDeadError, which the Engine does
+not survive).
 """
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ class TPExecutor:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         if self._dead is not None:
             raise ExecutorDeadError(self._dead)
-        data = pickle.dumps(_for_the_wire(plan), protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
         for conn in self._conns:
             try:
                 conn.send_bytes(data)
@@ -133,18 +136,6 @@ class TPExecutor:
                            "`if __name__ == \"__main__\":`, as each spawned rank imports the script)")
         self.shutdown()
         raise (ValueError if users_mistake and during == "start-up" else ExecutorDeadError)(self._dead)
-
-
-def _for_the_wire(plan: SchedulerOutput) -> SchedulerOutput:
-    """The plan without the token histories the ranks will not read: a request's prompt and output
-    ids are read only for penalties and prompt logprobs, and sent every step they would be most of
-    the pickle at long contexts (docs/scale.md)."""
-    def read(r) -> bool:
-        return r.sampling_params.has_penalties or r.sampling_params.prompt_logprobs is not None
-    if all(map(read, plan.scheduled)):
-        return plan
-    return replace(plan, scheduled=[r if read(r) else replace(r, prompt_token_ids=[], output_token_ids=[])
-                                    for r in plan.scheduled])
 
 
 def _how_it_ended(code: int) -> str:
@@ -243,7 +234,8 @@ def build_rank(rank: int, n: int, config: EngineConfig, port: int) -> ModelRunne
     shard = {k: v.to(device) for k, v in shard_weights(full, arch, rank, n).items()}
     tp = TensorParallel(rank, n, vocab_size=lm_head(full, arch).shape[0])
     del full
-    return ModelRunner(config, rank_arch(arch, n), shard, tp=tp)
+    # the tokenizer: each rank's grammar matchers (structured output) need its vocabulary
+    return ModelRunner(config, rank_arch(arch, n), shard, tokenizer=weight_cache.load_tokenizer(path), tp=tp)
 
 
 def _report(conn: Connection, exc: BaseException) -> None:

@@ -11,21 +11,28 @@ class ScheduledRequest:
     """One request's share of a step: compute K/V for `token_ids` at positions start_pos.. and,
     if `sample`, sample its next token from the logits of the last one. With drafts (speculative
     decoding), the last num_draft_tokens of token_ids are guesses: logits come from the request's
-    last own token and every draft, and the executor keeps the drafts the model agrees with."""
+    last own token and every draft, and the executor keeps the drafts the model agrees with.
+
+    A row carries a new request's full data or a cached request's deltas (vLLM V1's NewRequestData
+    and CachedRequestData), never the scheduler's own lists. New (`cached` False: the first step a
+    request is scheduled, and its first after a preemption): its whole block table and copies of its
+    prompt and of the tokens it has generated. Cached: the blocks and the output tokens added since
+    its last step, which the executor appends to the state it keeps (executor/request_state.py)."""
 
     request_id: str
     token_ids: list[int]  # the new tokens of this step (a prompt chunk, or the one decode token)
     start_pos: int  # == num_computed_tokens before the step; positions are start_pos + i
-    block_table: list[int]  # all blocks of the request, in order; covers start_pos + len(token_ids)
+    block_table: list[int]  # new: all blocks of the request, in order; covers start_pos + len(token_ids)
     sample: bool  # the prompt is complete after this step, so a token is sampled
     sampling_params: SamplingParams
     output_len: int = 0  # tokens generated so far (seeded sampling offsets by it)
-    # the request's own lists, not copies (penalties and prompt logprobs read them; output_len
-    # bounds what was generated when the plan was made)
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)  # new only
+    output_token_ids: list[int] = field(default_factory=list)  # new only: the output_len tokens so far
     is_padding: bool = False  # static mode: a finished request computing its seat as padding
     num_draft_tokens: int = 0  # speculative tokens at the end of token_ids (engine/spec_decode.py)
+    cached: bool = False  # the executor holds this request's state: the fields below are its deltas
+    new_block_ids: list[int] = field(default_factory=list)  # cached: blocks added since its last step
+    new_token_ids: list[int] = field(default_factory=list)  # cached: output tokens added since its last step
 
     @property
     def num_new_tokens(self) -> int:
@@ -36,7 +43,8 @@ class ScheduledRequest:
         return self.start_pos + len(self.token_ids)
 
     def slot_mapping(self, block_size: int) -> list[int]:
-        """Cache slot (block_id * block_size + offset) of each new token."""
+        """Cache slot (block_id * block_size + offset) of each new token (of a new row, or of one
+        resolved against the executor's state: a cached row has no block table)."""
         bt = self.block_table
         return [bt[p // block_size] * block_size + p % block_size for p in range(self.start_pos, self.seq_len)]
 

@@ -57,6 +57,9 @@ class Scheduler:
         # Speculative decoding (engine/spec_decode.py): draft tokens proposed for a running request's
         # next step. They are scheduled like its own tokens and dropped after that step.
         self.drafts: dict[str, list[int]] = {}
+        # (blocks, output tokens) the executor holds of each request sent whole since it last started
+        # running: its next rows carry only what was added (output.ScheduledRequest)
+        self.sent: dict[str, tuple[int, int]] = {}
         self.num_preemptions = 0
         self.num_drafts = 0  # requests' steps that carried drafts, since start
         self.num_draft_tokens = 0  # drafts verified
@@ -123,6 +126,7 @@ class Scheduler:
         if request is None:
             return None
         self.drafts.pop(request_id, None)
+        self.sent.pop(request_id, None)
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
             self.num_waiting_tokens -= request.num_tokens
@@ -326,7 +330,7 @@ class Scheduler:
             pos = min(request.num_computed_tokens, capacity - 1)
             request.num_computed_tokens = pos + 1
             plan.scheduled.append(ScheduledRequest(
-                request.request_id, [request.token_ids[-1]], pos, self.kv.block_table(request.request_id),
+                request.request_id, [request.token_ids[-1]], pos, list(self.kv.block_table(request.request_id)),
                 sample=True, sampling_params=request.sampling_params, is_padding=True))
             budget -= 1
 
@@ -352,6 +356,7 @@ class Scheduler:
         """Swap its KV to the host pool, or drop it to be recomputed from the front of the queue."""
         self.running.remove(request)
         self.drafts.pop(request.request_id, None)
+        self.sent.pop(request.request_id, None)  # resumed, it is sent whole again
         request.num_preemptions += 1
         request.times.preempted.append(self.clock())
         self.num_preemptions += 1
@@ -385,10 +390,14 @@ class Scheduler:
         tokens = request.token_ids
         num_drafts = max(0, end - len(tokens))
         new = tokens[start:end] if not num_drafts else tokens[start:] + self.drafts[request.request_id][:num_drafts]
-        return ScheduledRequest(  # positional: built for every request in every step
-            request.request_id, new, start, self.kv.block_table(request.request_id),
-            end >= len(tokens), request.sampling_params, len(request.output_token_ids),
-            request.prompt_token_ids, request.output_token_ids, False, num_drafts)
+        rid, blocks, outputs = request.request_id, self.kv.block_table(request.request_id), request.output_token_ids
+        sent = self.sent.get(rid)
+        self.sent[rid] = (len(blocks), len(outputs))
+        if sent is None:  # new to the executor: its full data, copied (positional: built every step)
+            return ScheduledRequest(rid, new, start, list(blocks), end >= len(tokens), request.sampling_params,
+                                    len(outputs), list(request.prompt_token_ids), list(outputs), False, num_drafts)
+        return ScheduledRequest(rid, new, start, [], end >= len(tokens), request.sampling_params, len(outputs),
+                                [], [], False, num_drafts, True, blocks[sent[0]:], outputs[sent[1]:])
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:

@@ -105,8 +105,8 @@ def test_tp2_preempted(float_pair, prompts, mode):
 
 
 def test_tp2_penalties_and_prompt_logprobs_next_to_plain_requests(float_pair, prompts):
-    """The ranks get a request's token history only where the sampler reads it (penalties, prompt
-    logprobs): requests that need it, batched with requests that do not, sample as under TP=1."""
+    """Each rank keeps every request's token history from the plans' data and deltas: requests whose
+    sampler reads it (penalties, prompt logprobs), batched with requests that do not, sample as under TP=1."""
     tp1, tp2 = float_pair
     asks = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5),
             SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5, repetition_penalty=1.5,
@@ -128,6 +128,39 @@ def test_tp2_penalties_and_prompt_logprobs_next_to_plain_requests(float_pair, pr
     ours, theirs = got[2].prompt_logprobs[1:], want[2].prompt_logprobs[1:]
     assert len(ours) == len(prompts[4]) - 1
     assert [a.logprob for a in ours] == pytest.approx([b.logprob for b in theirs], abs=1e-3)
+
+
+def test_tp2_structured_output_after_a_handover(float_pair, prompts):
+    """A request handed over by a prefill engine whose blocks did not arrive is recomputed here with its
+    first token already in its output: every rank's matcher must start from that token, which no rank
+    sampled. TP=2 gives TP=1's tokens, and the reply parses against its JSON schema."""
+    import json
+
+    from iterserve.kv_transfer.connector import HandoffMeta, KVTransfer
+    from iterserve.sampling_params import StructuredOutputs
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=5,
+                            structured_outputs=StructuredOutputs(json=json.dumps(schema)))
+    tp1, tp2 = float_pair
+
+    def run(executor, first_token=None):
+        engine = Engine(EngineConfig(dtype="float32"), executor=executor)
+        if first_token is None:
+            engine.add_request(prompts[2], params, request_id="h")
+        else:
+            meta = HandoffMeta(prompts[2], first_token, params, arrival_time=0.0, first_token_time=0.0)
+            assert engine.add_computed_request(KVTransfer("h", None, [], meta, error="lost"))
+        while engine.has_unfinished():
+            done = [o for o in engine.step() if o.finished]
+        return done[0]
+    whole = run(tp1)
+    want, got = run(tp1, whole.token_ids[0]), run(tp2, whole.token_ids[0])
+    assert want.token_ids == whole.token_ids
+    assert set(json.loads(got.text)) == {"n", "ok"}
+    tops = lambda o: [{t for t, _ in lp.top} for lp in o.logprobs]  # noqa: E731
+    assert_close_all([(got.token_ids[1:], tops(got))], [(want.token_ids[1:], tops(want))],
+                     n=len(want.token_ids) - 1, max_diverged=0)
 
 
 @pytest.mark.parametrize("mode", ["int8", pytest.param("w8a8", marks=needs_int8)])
@@ -289,3 +322,5 @@ def test_default_model_tp3_matches_tp1(default_model_path, prompts):
     finally:
         tp3.shutdown()
     assert_close_all(got, want, n=16)
+
+

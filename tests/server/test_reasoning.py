@@ -14,6 +14,7 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
+from iterserve.executor.request_state import RequestStates
 from iterserve.server.reasoning import ReasoningSplitter, split
 from tests.server.conftest import MODEL, no_leaks, start_server
 
@@ -67,6 +68,7 @@ class Scripted:
 
     def __init__(self, runner: ModelRunner, tokenizer) -> None:
         self.runner, self.tokenizer = runner, tokenizer
+        self.states = RequestStates()  # the plans carry a request's prompt once: kept here
         self.scripts = {False: tokenizer.encode(REPLY, add_special_tokens=False),
                         True: tokenizer.encode(TOOL_REPLY, add_special_tokens=False)}
 
@@ -75,7 +77,7 @@ class Scripted:
 
     def execute(self, plan):
         result = self.runner.execute(plan)
-        for i, (s, token) in enumerate(zip(plan.scheduled, result.sampled)):
+        for i, (s, token) in enumerate(zip(self.states.resolve(plan).scheduled, result.sampled)):
             if token >= 0:
                 script = self.scripts["<tools>" in self.tokenizer.decode(s.prompt_token_ids)]
                 result.sampled[i] = script[s.output_len] if s.output_len < len(script) else self.tokenizer.eos_token_id
