@@ -1,6 +1,7 @@
 """One engine of xPyD in its own process, and the KV transports between them (docs/disaggregation.md).
 
-The front (pd_front.py) spawns each worker with an inbox of commands and one outbox shared by all;
+The front (pd_front.py) spawns each worker with an inbox of commands and an outbox of its own (the
+write end of a pipe only it writes: a worker killed mid-write can block no other worker's outputs);
 a worker steps its PrefillEngine or DecodeEngine (disagg.py) and reports its outputs and EngineStats
 after every step. Prefill workers reach decode workers through KV connectors: shared-memory queues
 (shm, any xPyD) or one torch.distributed group (dist, 1P1D).
@@ -50,9 +51,9 @@ def worker(name: str, config, transport: str, channels: dict, init_method: str |
         connector = _make_connector(name, transport, channels, init_method)
         side = DecodeEngine(engine, connector) if decoding else PrefillEngine(engine, connector)
     except Exception as exc:
-        outbox.put(("failed", name, f"{type(exc).__name__}: {exc}"))
+        outbox.send(("failed", name, f"{type(exc).__name__}: {exc}"))
         return
-    outbox.put(("ready", name, engine.stats))
+    outbox.send(("ready", name, engine.stats))
     reported = engine.stats.num_steps
     while True:
         busy = side.has_unfinished()
@@ -60,12 +61,12 @@ def worker(name: str, config, transport: str, channels: dict, init_method: str |
             side.poll(timeout=0.02)  # landing is taken in at once
             busy = side.has_unfinished()
         try:
-            while True:
-                cmd = inbox.get(timeout=0.02) if not (busy or decoding) else inbox.get_nowait()
+            while True:  # an idle prefill engine has nothing to do until a command comes
+                cmd = inbox.get() if not (busy or decoding) else inbox.get_nowait()
                 busy = True  # drain the rest without waiting
                 if cmd[0] == "stop":
                     side.shutdown()
-                    outbox.put(("stopped", name, None))
+                    outbox.send(("stopped", name, None))
                     return
                 _command(side, cmd, outbox, name)
         except queue_module.Empty:
@@ -74,7 +75,7 @@ def worker(name: str, config, transport: str, channels: dict, init_method: str |
             outputs, stats = side.step(), side.stats
             if outputs or stats.num_steps != reported:  # after every step run: the routers' view of its load
                 reported = stats.num_steps
-                outbox.put(("out", name, (outputs, stats)))
+                outbox.send(("out", name, (outputs, stats)))
 
 
 def _command(side, cmd: tuple, outbox, name: str) -> None:
@@ -84,12 +85,12 @@ def _command(side, cmd: tuple, outbox, name: str) -> None:
             side.add_request(prompt, params, request_id, decode_target=decode_target, arrival_time=arrival,
                              priority=priority, cache_salt=cache_salt)
         except ValueError as exc:
-            outbox.put(("rejected", name, (request_id, str(exc))))
+            outbox.send(("rejected", name, (request_id, str(exc))))
     elif cmd[0] == "abort":
         outputs = side.abort_request(cmd[1])
         if outputs:
-            outbox.put(("out", name, (outputs, side.stats)))
+            outbox.send(("out", name, (outputs, side.stats)))
     elif cmd[0] == "dead":  # prefill side: a decode engine died, refuse to send to it
         side.connector.mark_dead(cmd[1])
     elif cmd[0] == "stats":
-        outbox.put(("stats", name, side.stats))
+        outbox.send(("stats", name, side.stats))
