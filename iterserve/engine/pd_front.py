@@ -147,7 +147,10 @@ class PDEngines:
         self.prefill_names, self.decode_names = engine_names(num_prefill, num_decode)
         ctx = mp.get_context("spawn")
         self.inbox = {name: ctx.Queue() for name in self.prefill_names + self.decode_names}
-        channels = {name: ctx.Queue() if transport == "shm" else None for name in self.decode_names}
+        # shm: a queue per (prefill, decode) pair, each with one writer (one shared by the prefill
+        # engines would have one write lock, which a prefill process killed mid-send could hold for good)
+        channels = {d: {p: ctx.Queue() for p in self.prefill_names} if transport == "shm" else None
+                    for d in self.decode_names}
         init_method = f"tcp://127.0.0.1:{port}" if transport == "dist" else None
         self.procs = {}
         self._outboxes: dict[str, multiprocessing.connection.Connection] = {}  # open until it gives EOF

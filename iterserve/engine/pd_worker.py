@@ -3,11 +3,12 @@
 The front (pd_front.py) spawns each worker with an inbox of commands and an outbox of its own (the
 write end of a pipe only it writes: a worker killed mid-write can block no other worker's outputs);
 a worker steps its PrefillEngine or DecodeEngine (disagg.py) and reports its outputs and EngineStats
-after every step. Prefill workers reach decode workers through KV connectors: shared-memory queues
-(shm, any xPyD) or one torch.distributed group (dist, 1P1D).
+after every step. Prefill workers reach decode workers through KV connectors: a shared-memory queue
+per (prefill, decode) pair (shm, any xPyD) or one torch.distributed group (dist, 1P1D).
 """
 from __future__ import annotations
 
+import multiprocessing.connection
 import queue as queue_module
 
 TRANSPORTS = ("shm", "dist")
@@ -26,19 +27,40 @@ def check_transport(transport: str, num_prefill: int, num_decode: int) -> None:
 
 def _make_connector(name: str, transport: str, channels: dict, init_method: str | None):
     """A decode engine's receiver, or a prefill engine's RoutedConnector with a channel to each decode
-    engine. channels: decode engine -> its shared-memory queue (shm) or None (dist, 1P1D)."""
+    engine. channels: decode engine -> {prefill engine: their shared-memory queue} (shm) or None (dist, 1P1D)."""
     from iterserve.kv_transfer.connector import RoutedConnector
     if transport == "shm":
         from iterserve.kv_transfer.shm_connector import ShmConnector
         if name in channels:
-            return ShmConnector(channels[name])
-        return RoutedConnector({decode: ShmConnector(q) for decode, q in channels.items()})
+            return _FanIn([ShmConnector(q) for q in channels[name].values()])
+        return RoutedConnector({decode: ShmConnector(queues[name]) for decode, queues in channels.items()})
     from iterserve.kv_transfer.dist_connector import DECODE_RANK, PREFILL_RANK, DistConnector
     import torch
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if name in channels:
         return DistConnector(DECODE_RANK, init_method, backend)
     return RoutedConnector({decode: DistConnector(PREFILL_RANK, init_method, backend) for decode in channels})
+
+
+class _FanIn:
+    """A decode engine's receiving side under shm: one channel from each prefill engine, taken in as
+    they come."""
+
+    def __init__(self, channels: list) -> None:
+        self.channels = channels
+
+    def receive(self, timeout: float = 0.0):
+        for channel in self.channels:
+            if (transfer := channel.receive(0.0)) is not None:
+                return transfer
+        readers = [channel.queue._reader for channel in self.channels]  # a queue is not waitable itself
+        if timeout > 0 and multiprocessing.connection.wait(readers, timeout):
+            return self.receive(0.0)
+        return None
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
 
 
 def worker(name: str, config, transport: str, channels: dict, init_method: str | None, inbox, outbox) -> None:
