@@ -49,6 +49,9 @@ class _FanIn:
     def __init__(self, channels: list) -> None:
         self.channels = channels
 
+    def send(self, request_id: str, blocks, hashes: list[bytes], meta) -> None:
+        raise TypeError("a fan-in only receives (it is the decode side's)")
+
     def receive(self, timeout: float = 0.0):
         for channel in self.channels:
             if (transfer := channel.receive(0.0)) is not None:

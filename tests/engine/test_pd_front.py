@@ -204,7 +204,8 @@ def test_decode_engine_killed_while_writing_its_outputs_blocks_no_other_engine(p
             victim = next((d for d in pd.decode_names if blocked_writing_to_a_pipe(pd.procs[d].pid)), None)
         pd.kill(victim)
         ended = run_until_finished(pd, ["a", "b"], timeout_s=120)
-        lost, kept = sorted(decode_of, key=lambda rid: decode_of[rid] != victim)
+        lost = next(rid for rid, decode in decode_of.items() if decode == victim)
+        kept = next(rid for rid in decode_of if rid != lost)
         assert finished_with_error(ended[lost], victim)
         assert ended[kept].error is None and len(ended[kept].token_ids) == 300
         pd.wake()
