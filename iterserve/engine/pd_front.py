@@ -10,6 +10,10 @@ LeastKVRouter the decode engine (what a decode engine runs out of is blocks). Th
 travels with the request to its prefill engine, whose connector has one channel per decode engine.
 Every engine reports its EngineStats after each step, with its outputs; the routers read those.
 
+Each worker writes its outputs to a pipe of its own, and a step waits on all of them, a wake pipe and
+the processes' sentinels at once: a worker killed mid-write leaves nothing held that another needs
+(a queue shared by the workers has one write lock, which a killed writer can hold for good).
+
 A decode process that dies ends only the requests routed to it, with an error naming it; the other
 engines carry on and the routers stop choosing it. A dead prefill process ends the requests it held.
 """
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
-import queue as queue_module
 import threading
 import time
 from dataclasses import replace
@@ -30,7 +33,6 @@ from iterserve.router.policy import LeastKVRouter, PrefixAffinityRouter, Replica
 from iterserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("iterserve.pd")
-_WAKE = ("wake", "", None)  # ends a step's wait for the workers' outputs, and nothing else
 
 
 def engine_names(num_prefill: int, num_decode: int) -> tuple[list[str], list[str]]:
@@ -144,17 +146,23 @@ class PDEngines:
         self.block_size = self.config.cache_config.block_size
         self.prefill_names, self.decode_names = engine_names(num_prefill, num_decode)
         ctx = mp.get_context("spawn")
-        self.outbox = ctx.Queue()
-        self.outbox.cancel_join_thread()  # wakes nobody read must not hold this process at exit
         self.inbox = {name: ctx.Queue() for name in self.prefill_names + self.decode_names}
-        channels = {name: ctx.Queue() if transport == "shm" else None for name in self.decode_names}
+        # shm: a queue per (prefill, decode) pair, each with one writer (one shared by the prefill
+        # engines would have one write lock, which a prefill process killed mid-send could hold for good)
+        channels = {d: {p: ctx.Queue() for p in self.prefill_names} if transport == "shm" else None
+                    for d in self.decode_names}
         init_method = f"tcp://127.0.0.1:{port}" if transport == "dist" else None
         self.procs = {}
+        self._outboxes: dict[str, multiprocessing.connection.Connection] = {}  # open until it gives EOF
         for name in self.inbox:
+            self._outboxes[name], outbox = ctx.Pipe(duplex=False)
             self.procs[name] = ctx.Process(target=worker, name=f"iterserve-{name}", daemon=True, args=(
-                name, self.config, transport, channels, init_method, self.inbox[name], self.outbox))
+                name, self.config, transport, channels, init_method, self.inbox[name], outbox))
             self.procs[name].start()
-        threading.Thread(target=self._watch, name="iterserve-pd-watch", daemon=True).start()
+            outbox.close()  # the worker's copy is then the only one: its death is an EOF here
+        self._sentinels = {proc.sentinel: name for name, proc in self.procs.items()}  # those not yet ended
+        self._wake_reader, self._wake_writer = ctx.Pipe(duplex=False)
+        self._wake_lock, self._woken = threading.Lock(), False
         self.routes = PDRoutes()
         self.loads: dict[str, ReplicaLoad] = {}  # each engine's latest report, as the routers read it
         self.dead: set[str] = set()  # engines found dead (their requests ended)
@@ -165,8 +173,11 @@ class PDEngines:
         self._pending: list[RequestOutput] = []  # drained while waiting for stats, not yet handed out
         deadline = time.monotonic() + start_timeout_s
         while self._ready != set(self.procs):
-            if time.monotonic() > deadline:
+            ended = [n for n in self.procs if n not in self._outboxes and n not in self._ready]
+            if ended or time.monotonic() > deadline:
                 self.close()
+                if ended:
+                    raise RuntimeError(f"the {ended[0]} engine exited before it was ready")
                 raise RuntimeError(f"the prefill/decode processes did not start within {start_timeout_s:.0f}s")
             self._drain(0.1)
 
@@ -217,7 +228,10 @@ class PDEngines:
 
     def wake(self) -> None:
         """End the wait of a step now or the next one (any thread): the driver has work of its own."""
-        self.outbox.put(_WAKE)
+        with self._wake_lock:
+            if not self._woken:  # one pending wake is enough, and the pipe never fills
+                self._woken = True
+                self._wake_writer.send_bytes(b"")
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Asynchronous: the aborted output comes back from the engine that holds the request."""
@@ -262,7 +276,7 @@ class PDEngines:
         self.inbox[name].put(("stats",))
         deadline = time.monotonic() + timeout
         while name not in self._fresh:
-            if time.monotonic() > deadline or not self.procs[name].is_alive():
+            if time.monotonic() > deadline or name not in self._outboxes or not self.procs[name].is_alive():
                 raise RuntimeError(f"the {name} engine did not report its stats")
             self._pending.extend(self._drain(0.05))
         return self._stats[name]
@@ -273,61 +287,87 @@ class PDEngines:
         self.procs[name].join(10)
 
     def close(self, timeout: float = 10.0) -> None:
+        """Stop every engine, reading what they still send meanwhile (a worker blocks on a full pipe)."""
         for name, proc in self.procs.items():
             if proc.is_alive():
                 self.inbox[name].put(("stop",))
+        deadline = time.monotonic() + timeout
+        while self._outboxes and (left := deadline - time.monotonic()) > 0:
+            for conn in multiprocessing.connection.wait(list(self._outboxes.values()), left):
+                self._receive(conn)
         for proc in self.procs.values():
-            proc.join(timeout)
+            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout)
+        for conn in self._outboxes.values():
+            conn.close()
+        self._outboxes.clear()
 
-    def _watch(self) -> None:
-        """A thread until every engine process has ended: each end wakes a waiting step, which then ends
-        that engine's requests (_check_deaths)."""
-        running = [proc.sentinel for proc in self.procs.values()]
-        while running:
-            for ended in multiprocessing.connection.wait(running):
-                running.remove(ended)
-                self.wake()
+    def _receive(self, conn) -> tuple | None:
+        """One worker's next message; None once its pipe has ended (the worker exited or died)."""
+        try:
+            return conn.recv()
+        except (EOFError, OSError):  # a worker killed mid-message leaves a truncated one, then EOF
+            name = next(n for n, c in self._outboxes.items() if c is conn)
+            del self._outboxes[name]
+            conn.close()
+            return None
 
     def _drain(self, timeout: float | None) -> list[RequestOutput]:
-        """Every message waiting in the outbox, after waiting up to `timeout` (None: no limit) for the first."""
+        """Every message waiting from the workers, after waiting up to `timeout` (None: no limit) for the
+        first; a wake or a worker's end also ends the wait."""
         outputs, self._pending = self._pending, []
-        block = not outputs and (timeout is None or timeout > 0)
+        wait_s = 0.0 if outputs else timeout
         while True:
-            try:
-                kind, name, payload = self.outbox.get(timeout=timeout) if block else self.outbox.get_nowait()
-            except queue_module.Empty:
+            waited = [*self._outboxes.values(), self._wake_reader, *self._sentinels]
+            ready = multiprocessing.connection.wait(waited, wait_s)
+            if not ready:
                 return outputs
-            block = False
-            if kind == "out":
-                batch, stats = payload
-                self._report(name, stats)
-                for out in batch:
-                    outputs.extend(self.routes.on_output(name, out))
-            elif kind == "rejected":
-                request_id, error = payload
-                if request_id in self.routes.route:
-                    self.routes.end(request_id)
-                    outputs.append(_error_output(request_id, error))
-            elif kind in ("stats", "ready"):
-                self._report(name, payload)
-                (self._fresh if kind == "stats" else self._ready).add(name)
-            elif kind == "failed":
-                self.close()
-                raise RuntimeError(f"the {name} engine failed to start: {payload}")
+            wait_s = 0.0  # then only what is already there
+            for r in ready:
+                if r is self._wake_reader:
+                    with self._wake_lock:
+                        self._wake_reader.recv_bytes()
+                        self._woken = False
+                elif r in self._sentinels:  # its outbox ends too, once what it sent has been read
+                    del self._sentinels[r]
+                elif (message := self._receive(r)) is not None:
+                    outputs.extend(self._handle(*message))
+
+    def _handle(self, kind: str, name: str, payload) -> list[RequestOutput]:
+        """One worker message: the outputs it gives the streams, and the front's view of that engine."""
+        outputs = []
+        if kind == "out":
+            batch, stats = payload
+            self._report(name, stats)
+            for out in batch:
+                outputs.extend(self.routes.on_output(name, out))
+        elif kind == "rejected":
+            request_id, error = payload
+            if request_id in self.routes.route:
+                self.routes.end(request_id)
+                outputs.append(_error_output(request_id, error))
+        elif kind in ("stats", "ready"):
+            self._report(name, payload)
+            (self._fresh if kind == "stats" else self._ready).add(name)
+        elif kind == "failed":
+            self.close()
+            raise RuntimeError(f"the {name} engine failed to start: {payload}")
+        return outputs
 
     def _report(self, name: str, stats: EngineStats) -> None:
         self._stats[name] = stats
         self.loads[name] = ReplicaLoad(stats.num_running, stats.num_queued, stats.kv_usage)
 
     def _check_deaths(self) -> list[RequestOutput]:
-        """An engine found dead: the requests routed to it end with an error naming it, nothing else."""
+        """An engine found dead (its outbox ended, or its process): the requests routed to it end with an
+        error naming it, nothing else."""
         failed = []
         for name, proc in self.procs.items():
-            if name in self.dead or proc.is_alive():
+            if name in self.dead or (name in self._outboxes and proc.is_alive()):
                 continue
+            proc.join(5.0)  # its outbox ends as it exits: its exit code comes a moment later
             self.dead.add(name)
             logger.warning("the %s engine died (exit code %s)", name, proc.exitcode)
             self.routes.forget(name)

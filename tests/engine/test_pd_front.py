@@ -1,8 +1,11 @@
 """xPyD across processes: the same greedy tokens as a colocated engine (1P1D over torch.distributed,
 2P1D over shared memory), the prefill engine chosen by prefix affinity, no leaked blocks, and a decode
-process killed mid-stream (1P2D) ends its own requests with an error while the others carry on."""
+process killed mid-stream (1P2D) ends its own requests with an error while the others carry on, even
+one killed while writing its outputs."""
 from __future__ import annotations
 
+import multiprocessing.connection
+import os
 import socket
 import time
 
@@ -167,6 +170,52 @@ def test_decode_engine_killed_mid_stream_ends_only_its_requests(prompts):
         pd.kill("prefill-0")  # no output comes now: the death alone ends a step's wait, which has no limit
         pd.step()
         assert "prefill-0" in pd.dead
+    finally:
+        pd.close()
+
+
+def wchans(pid: int) -> set[str]:
+    """Where the process's threads wait in the kernel (Linux's wchan; "0": running, or hidden here)."""
+    try:
+        return {open(f"/proc/{pid}/task/{tid}/wchan").read() for tid in os.listdir(f"/proc/{pid}/task")}
+    except OSError:  # a thread or the process just ended
+        return set()
+
+
+def blocked_writing_to_a_pipe(pid: int) -> bool:
+    return any("pipe_write" in w for w in wchans(pid))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # a front that no longer hears from its engines hangs in step()
+@pytest.mark.skipif(not os.path.exists("/proc/self/wchan"), reason="reads Linux's /proc/<pid>/task/*/wchan")
+def test_decode_engine_killed_while_writing_its_outputs_blocks_no_other_engine(prompts):
+    """1P2D with the front not reading, so the outputs back up until a decode worker blocks writing
+    them; killed there (where a queue written by every worker would keep its write lock held for good),
+    its request ends with the error and the other decode engine's outputs and the wakes still come."""
+    pd = PDEngines(CONFIG, "shm", num_decode=2)
+    try:
+        if wchans(pd.procs["prefill-0"].pid) <= {"0"}:  # idle, it waits for a command
+            pytest.skip("this kernel hides where a process waits")
+        params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+        pd.add_request(prompts[0], params, "a")
+        pd.add_request(prompts[1], params, "b")
+        decode_of = {rid: pd.routes.route[rid][1] for rid in ("a", "b")}
+        assert set(decode_of.values()) == {"decode-0", "decode-1"}
+        sentinels, deadline, victim = [p.sentinel for p in pd.procs.values()], time.monotonic() + 240, None
+        while victim is None:
+            assert time.monotonic() < deadline, "no decode worker blocked writing its outputs"
+            assert not multiprocessing.connection.wait(sentinels, 0.05), "an engine died on its own"
+            victim = next((d for d in pd.decode_names if blocked_writing_to_a_pipe(pd.procs[d].pid)), None)
+        pd.kill(victim)
+        ended = run_until_finished(pd, ["a", "b"], timeout_s=120)
+        lost = next(rid for rid, decode in decode_of.items() if decode == victim)
+        kept = next(rid for rid in decode_of if rid != lost)
+        assert finished_with_error(ended[lost], victim)
+        assert ended[kept].error is None and len(ended[kept].token_ids) == 300
+        pd.wake()
+        assert pd.step() == [], "a wake ends a step's wait"
+        assert_no_blocks_held(pd, decode_of[kept])
     finally:
         pd.close()
 
