@@ -8,30 +8,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from iterserve.config import EngineConfig
-from iterserve.kv.kv_cache_manager import KVCacheManager, KVCacheStats, cdiv
+from iterserve.kv.kv_cache_manager import KVCacheManager, cdiv
 from iterserve.kv.spec import KVCacheSpec
 from iterserve.request import Request, RequestStatus
 from iterserve.scheduler.output import SchedulerOutput, ScheduledRequest, StepResult
-
-
-@dataclass(slots=True, frozen=True)
-class SchedulerStats:
-    """The scheduler's and its KV manager's counters, handed to the engine's stats (engine/stats.py)."""
-
-    num_running: int
-    num_waiting: int  # waiting and recompute-preempted requests
-    num_waiting_tokens: int  # their tokens (none computed): admission by --max-num-queued-tokens reads it
-    num_swapped: int  # swap-preempted requests
-    num_preemptions: int  # since start
-    max_model_len: int
-    num_spec_drafts: int  # speculative decoding, since start: requests' steps that carried drafts,
-    num_spec_draft_tokens: int  # the drafts verified,
-    num_spec_accepted_tokens: int  # and of those the ones accepted
-    kv: KVCacheStats
+from iterserve.scheduler.plan_rows import PlanRows
+from iterserve.scheduler.preemption import pick_victim, priority_victim, use_swap
+from iterserve.scheduler.stats import SchedulerStats
 
 
 class Scheduler:
@@ -57,9 +43,7 @@ class Scheduler:
         # Speculative decoding (engine/spec_decode.py): draft tokens proposed for a running request's
         # next step. They are scheduled like its own tokens and dropped after that step.
         self.drafts: dict[str, list[int]] = {}
-        # (blocks, output tokens) the executor holds of each request sent whole since it last started
-        # running: its next rows carry only what was added (output.ScheduledRequest)
-        self.sent: dict[str, tuple[int, int]] = {}
+        self.rows = PlanRows(self.kv)  # what the executor holds of each request: the next rows carry the rest
         self.num_preemptions = 0
         self.num_drafts = 0  # requests' steps that carried drafts, since start
         self.num_draft_tokens = 0  # drafts verified
@@ -126,7 +110,7 @@ class Scheduler:
         if request is None:
             return None
         self.drafts.pop(request_id, None)
-        self.sent.pop(request_id, None)
+        self.rows.forget(request_id)
         if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
             self.num_waiting_tokens -= request.num_tokens
@@ -200,12 +184,12 @@ class Scheduler:
             else:
                 n = min(len(request.token_ids) - request.num_computed_tokens, budget)
             while self.kv.allocate_slots(request, n) is None:
-                victim = self._pick_victim(i)
+                victim = pick_victim(self.running[i:], self.config.scheduling_policy)
                 self._preempt(victim, plan)
                 if victim is request:
                     break
             else:
-                plan.scheduled.append(self._scheduled(request, n))
+                plan.scheduled.append(self.rows.row(request, n, self.drafts))
                 budget -= n
                 i += 1
                 continue
@@ -238,7 +222,7 @@ class Scheduler:
             assert self.kv.allocate_slots(request, n) is not None
             self._start_running(request)
             if n:
-                plan.scheduled.append(self._scheduled(request, n))
+                plan.scheduled.append(self.rows.row(request, n, self.drafts))
                 budget -= n
         return budget
 
@@ -270,7 +254,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             self._start_running(request)
             if n:
-                plan.scheduled.append(self._scheduled(request, n))
+                plan.scheduled.append(self.rows.row(request, n, self.drafts))
 
     def _computed_blocks(self, request: Request):
         """The prefix cache's blocks for a request; none for mean pooling, which needs every prompt
@@ -292,13 +276,9 @@ class Scheduler:
 
     def _preempt_for_priority(self, request: Request, plan: SchedulerOutput) -> bool:
         """Make room for `request` by preempting running work of strictly lower priority."""
-        if self.config.scheduling_policy != "priority" or not self.config.priority_preemption:
+        victim = priority_victim(self.running, request, self.config)
+        if victim is None:
             return False
-        victims = [r for r in self.running if r.priority > request.priority
-                   and r.num_preemptions < self.config.max_priority_preemptions]
-        if not victims:
-            return False
-        victim = max(victims, key=lambda r: (r.priority, r.arrival_seq))
         plan.scheduled = [s for s in plan.scheduled if s.request_id != victim.request_id]
         self._preempt(victim, plan)
         self._sort_waiting()
@@ -345,23 +325,16 @@ class Scheduler:
             request.times.first_scheduled = self.clock()
         self.running.append(request)
 
-    def _pick_victim(self, first_unscheduled: int) -> Request:
-        """The lowest-priority, latest-arrived request not yet scheduled in this step."""
-        candidates = self.running[first_unscheduled:]
-        if self.config.scheduling_policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_seq))
-        return candidates[-1]
-
     def _preempt(self, request: Request, plan: SchedulerOutput) -> None:
         """Swap its KV to the host pool, or drop it to be recomputed from the front of the queue."""
         self.running.remove(request)
         self.drafts.pop(request.request_id, None)
-        self.sent.pop(request.request_id, None)  # resumed, it is sent whole again
+        self.rows.forget(request.request_id)
         request.num_preemptions += 1
         request.times.preempted.append(self.clock())
         self.num_preemptions += 1
         plan.preempted_ids.append(request.request_id)
-        if self._use_swap(request, plan):
+        if use_swap(request, plan, self.config.preemption_mode, self.kv, self.kv_spec):
             plan.swap_out.extend(self.kv.swap_out(request))
             request.status = RequestStatus.SWAPPED
             self.swapped.append(request)
@@ -371,33 +344,6 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_waiting_tokens += request.num_tokens
-
-    def _use_swap(self, request: Request, plan: SchedulerOutput) -> bool:
-        mode = self.config.preemption_mode
-        # Executors copy swap-outs before swap-ins: a host block freed by a swap-in in this step
-        # must not be swapped out into in the same step.
-        if mode == "recompute" or plan.swap_in or not self.kv.can_swap_out(request):
-            return False
-        if mode == "swap":
-            return True
-        # auto: copy out and back at the executor's measured bandwidth vs recomputing every cached token
-        spec = self.kv_spec
-        swap_s = 2 * len(self.kv.blocks_of(request.request_id)) * spec.bytes_per_block / spec.swap_bytes_per_s
-        return swap_s < request.num_computed_tokens / spec.recompute_tokens_per_s
-
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
-        start, end = request.num_computed_tokens, request.num_computed_tokens + n
-        tokens = request.token_ids
-        num_drafts = max(0, end - len(tokens))
-        new = tokens[start:end] if not num_drafts else tokens[start:] + self.drafts[request.request_id][:num_drafts]
-        rid, blocks, outputs = request.request_id, self.kv.block_table(request.request_id), request.output_token_ids
-        sent = self.sent.get(rid)
-        self.sent[rid] = (len(blocks), len(outputs))
-        if sent is None:  # new to the executor: its full data, copied (positional: built every step)
-            return ScheduledRequest(rid, new, start, list(blocks), end >= len(tokens), request.sampling_params,
-                                    len(outputs), list(request.prompt_token_ids), list(outputs), False, num_drafts)
-        return ScheduledRequest(rid, new, start, [], end >= len(tokens), request.sampling_params, len(outputs),
-                                [], [], False, num_drafts, True, blocks[sent[0]:], outputs[sent[1]:])
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: SchedulerOutput, result: StepResult) -> list[Request]:
