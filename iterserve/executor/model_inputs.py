@@ -33,12 +33,11 @@ def prepare_inputs(plan: SchedulerOutput, nrows: list[int] | None, block_size: i
     slots = tables[row, pos // bs] * bs + pos % bs
     att_seqs, att_q_lens, att_seq_lens = _attention_sequences(reqs, q_lens, seq_lens)
     att_starts = starts if att_seqs is None else np.concatenate([[0], np.cumsum(att_q_lens)])
-    dev = device
     md = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(dev),
-        query_start_loc=torch.from_numpy(att_starts).to(dev, torch.int32),
-        seq_lens=torch.tensor(att_seq_lens, dtype=torch.int32, device=dev),
-        block_tables=torch.from_numpy(tables if att_seqs is None else tables[att_seqs]).to(dev, torch.int32),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=torch.from_numpy(att_starts).to(device, torch.int32),
+        seq_lens=torch.tensor(att_seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(tables if att_seqs is None else tables[att_seqs]).to(device, torch.int32),
         max_query_len=max(att_q_lens), max_seq_len=max(att_seq_lens), query_lens_list=att_q_lens,
         seq_lens_list=att_seq_lens)
     # logits for every request's last token: padding seats pay for theirs too, as a padded batch would;
@@ -46,8 +45,8 @@ def prepare_inputs(plan: SchedulerOutput, nrows: list[int] | None, block_size: i
     # for its own last token and each draft
     ends = starts[1:]
     rows = ends - 1 if nrows is None else np.concatenate([np.arange(e - k, e) for e, k in zip(ends, nrows)])
-    logits_indices = torch.from_numpy(rows).to(dev)
-    return (torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), kv_cache, md, logits_indices)
+    logits_indices = torch.from_numpy(rows).to(device)
+    return (torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device), kv_cache, md, logits_indices)
 
 
 def _num_prompt_logprobs(r: ScheduledRequest) -> int:
