@@ -1,5 +1,6 @@
 """The KV pool's memory: zero-page-backed (mmap) pools on CPU, huge pages, and whole blocks moved run by
-run between pools (swap, disaggregated hand-off)."""
+run between pools (swap, disaggregated hand-off). How many blocks the pool holds is ModelRunner's call
+(_num_kv_blocks: given, or profiled on CUDA with a forward pass)."""
 from __future__ import annotations
 
 import math
