@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from iterserve.executor.model_runner import lazy_zeros
+from iterserve.executor.kv_pool import lazy_zeros
 from iterserve.model import cpu_kernels
 from iterserve.model.attention import rows_to_pairs
 from iterserve.model.kv_quant import quantize_kv

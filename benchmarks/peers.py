@@ -597,7 +597,7 @@ def quantized_mode(name: str) -> str | None:
 
 
 def iterserve_kv_bytes_per_token(model: str) -> int:
-    from iterserve.executor.model_runner import pick_device, storage_dtype
+    from iterserve.executor.dtypes import pick_device, storage_dtype
     from iterserve.sim.model_spec import get_model_spec
     elem = storage_dtype("auto", pick_device("cpu")).itemsize
     return get_model_spec(model, elem).kv_bytes_per_token

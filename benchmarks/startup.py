@@ -182,7 +182,8 @@ def phase_child(args: argparse.Namespace) -> None:
     t = mark("import torch", t0)
 
     from iterserve.config import EngineConfig
-    from iterserve.executor.model_runner import ModelRunner, pick_device, storage_dtype
+    from iterserve.executor.dtypes import pick_device, storage_dtype
+    from iterserve.executor.model_runner import ModelRunner
     from iterserve.model import weight_cache
     from iterserve.model.loader import default_model_path
     from iterserve.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ from iterserve.request import RequestTimes
 def resolve_dtype(dtype: str, device: str = "auto"):
     """The engine's own rule, so hf-static runs in the dtype the engine runs in (bf16 on a CPU
     with native bf16, float32 on one without)."""
-    from iterserve.executor.model_runner import pick_device, pick_dtype
+    from iterserve.executor.dtypes import pick_device, pick_dtype
     return pick_dtype(dtype, pick_device(device))
 
 

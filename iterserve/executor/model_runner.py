@@ -11,79 +11,36 @@ steps run eagerly. The KV pool is sized from the free device memory after a prof
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 from iterserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from iterserve.executor.base import KVCacheSpec, kv_head_width, num_blocks_for
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
+from iterserve.executor.dtypes import kv_dtype_name, pick_device, pick_dtype, storage_dtype
+from iterserve.executor.kv_pool import gather_blocks, lazy_zeros, pool_on_huge_pages, scatter_blocks
 from iterserve.executor.logits_processors import make_adjust
+from iterserve.executor.model_inputs import _hidden_rows, _logits_rows, _num_hidden_rows, prepare_inputs
 from iterserve.executor.request_state import RequestStates
-from iterserve.executor.sampler import make_batch, prompt_logprobs, sample, verify_random_drafts
-from iterserve.heap import advise_huge_pages
+from iterserve.executor.runner_sampling import (_drafts, _prompt_logprobs, _row_index, _sampling_rows,
+                                                _verify_greedy, _verify_random)
+from iterserve.executor.sampler import make_batch, sample
 from iterserve.model.attention import in_pairs, pairs_to_rows, rows_to_pairs
 from iterserve.model.attention_metadata import AttentionMetadata
 from iterserve.model.llama import LlamaModel
 from iterserve.model import cpu_paths, weight_cache
-from iterserve.model.cpu_kernels import linear_kernel, prebuild
+from iterserve.model.cpu_kernels import prebuild
 from iterserve.model.loader import ModelArch, default_model_path
 from iterserve.model.lora import LoRASlots
-from iterserve.model.quant import weight_only_on_panels
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput, StepResult
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 logger = logging.getLogger("iterserve.executor")
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step) pairs over the generator's seed space
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: this torch sees no CUDA device")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The arithmetic's dtype (activations, logits)."""
-    if name == "bf16-storage":
-        return torch.float32
-    if name != "auto":
-        return _DTYPES[name]
-    return torch.bfloat16 if device.type == "cuda" or cpu_paths.current().bf16_arithmetic else torch.float32
-
-
-def storage_dtype(name: str, device: torch.device, quantization: str | None = None) -> torch.dtype:
-    """The dtype the weights and the KV cache are kept in: the arithmetic's, except under bf16-storage
-    (asked for, or `auto` on a CPU without bf16 instructions), where bfloat16 halves the bytes every step
-    streams while the panel kernel widens them in registers for float32 arithmetic. Weight-only int8/int4
-    on the kernel's own panels (AVX2) run under it too: their codes come from the bfloat16 weights, and the
-    KV cache and the other weights stay bfloat16."""
-    compute = pick_dtype(name, device)
-    quantization = None if quantization in ("auto", "none") else quantization  # unresolved (the simulator): floats'
-    panels = quantization is None or weight_only_on_panels(quantization)
-    if name == "bf16-storage":
-        if device.type != "cpu" or linear_kernel() is None:
-            raise ValueError("--dtype bf16-storage needs the CPU linear kernel (cpu_linear.cpp: AVX-512, or AVX2 with FMA); "
-                             "use --dtype float32 or bfloat16 here")
-        if not panels:
-            raise ValueError(f"--dtype bf16-storage runs --quantization {quantization} on this CPU's build only "
-                             "through PyTorch's kernels, which take the arithmetic's dtype: use --dtype float32")
-        return torch.bfloat16
-    if name == "auto" and compute == torch.float32 and device.type == "cpu" and panels and linear_kernel() is not None:
-        return torch.bfloat16
-    return compute
 
 
 def _weights_line(asked: str | None, served: str | None, path: str | None) -> str:
@@ -92,16 +49,6 @@ def _weights_line(asked: str | None, served: str | None, path: str | None) -> st
     if asked == "auto" and served is not None:
         return f"{what} (what {os.path.basename(path)} holds: --quantization auto; none for floats)"
     return what
-
-
-def kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype, attention: str) -> str:
-    """The KV pool's dtype (executor.base.DTYPE_BYTES): the model's, or int8 where attention can read it."""
-    if kv_cache_dtype == "auto":
-        return str(dtype).removeprefix("torch.")
-    if attention != "torch":
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is read by the torch/CPU attention path only, not by "
-                         f"the {attention} kernels: use --kv-cache-dtype auto here (or ITERSERVE_ATTENTION=torch)")
-    return kv_cache_dtype
 
 
 def eos_token_ids(arch: ModelArch, tokenizer) -> frozenset[int]:
@@ -403,41 +350,7 @@ class ModelRunner:
 
     def _prepare(self, plan: SchedulerOutput, nrows: list[int] | None):
         """Flat step inputs; nrows: _logits_rows(plan.scheduled), the logits rows each request gets."""
-        reqs, bs = plan.scheduled, plan.block_size
-        assert bs == self.block_size, f"plan block_size {bs} != cache block_size {self.block_size}"
-        q_lens = [len(r.token_ids) for r in reqs]
-        seq_lens = [r.start_pos + n for r, n in zip(reqs, q_lens)]
-        if max(q_lens) == 1:  # pure decode: one token per request, no concatenation needed
-            ids = np.fromiter((r.token_ids[0] for r in reqs), np.int64, len(reqs))
-            pos = np.asarray(seq_lens, np.int64) - 1
-        else:
-            ids = np.fromiter((t for r in reqs for t in r.token_ids), np.int64, sum(q_lens))
-            pos = np.concatenate([np.arange(r.start_pos, s, dtype=np.int64) for r, s in zip(reqs, seq_lens)])
-        max_blocks = max(len(r.block_table) for r in reqs)
-        tables = np.zeros((len(reqs), max_blocks), np.int64)
-        for i, r in enumerate(reqs):
-            tables[i, : len(r.block_table)] = r.block_table
-        starts = np.zeros(len(reqs) + 1, np.int64)
-        np.cumsum(q_lens, out=starts[1:])
-        row = np.repeat(np.arange(len(reqs)), q_lens)
-        slots = tables[row, pos // bs] * bs + pos % bs
-        att_seqs, att_q_lens, att_seq_lens = _attention_sequences(reqs, q_lens, seq_lens)
-        att_starts = starts if att_seqs is None else np.concatenate([[0], np.cumsum(att_q_lens)])
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(att_starts).to(dev, torch.int32),
-            seq_lens=torch.tensor(att_seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables if att_seqs is None else tables[att_seqs]).to(dev, torch.int32),
-            max_query_len=max(att_q_lens), max_seq_len=max(att_seq_lens), query_lens_list=att_q_lens,
-            seq_lens_list=att_seq_lens)
-        # logits for every request's last token: padding seats pay for theirs too, as a padded batch would;
-        # a request asking for prompt logprobs gets a row for each token of its chunk, one with drafts a row
-        # for its own last token and each draft
-        ends = starts[1:]
-        rows = ends - 1 if nrows is None else np.concatenate([np.arange(e - k, e) for e, k in zip(ends, nrows)])
-        logits_indices = torch.from_numpy(rows).to(dev)
-        return (torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), self.kv_cache, md, logits_indices)
+        return prepare_inputs(plan, nrows, self.block_size, self.kv_cache, self.device)
 
     def _sample(self, plan: SchedulerOutput, logits: torch.Tensor, nrows: list[int] | None):
         """(token per request, logprobs, prompt logprobs, accepted drafts). A request with drafts has a row
@@ -509,111 +422,6 @@ class ModelRunner:
         return g
 
 
-def _num_prompt_logprobs(r: ScheduledRequest) -> int:
-    """How many prompt tokens of this chunk get a logprob (0: not asked): the token at position p + 1
-    from the logits at p, for p in the chunk and before the prompt's last token."""
-    if r.sampling_params.prompt_logprobs is None:
-        return 0
-    return max(0, min(r.seq_len, len(r.prompt_token_ids) - 1) - r.start_pos)
-
-
-def _num_hidden_rows(r: ScheduledRequest) -> int:
-    """Hidden-state rows a request pools from this step: mean, its whole chunk; last, its last token once
-    the prompt is done; none for the rest."""
-    pooling = r.sampling_params.pooling
-    if pooling is None or r.is_padding:
-        return 0
-    return len(r.token_ids) if pooling == "mean" else int(r.sample)
-
-
-def _hidden_rows(reqs: list[ScheduledRequest]) -> np.ndarray | None:
-    """The step's token rows whose final-norm hidden states are pooled, in request order; None: no pooling."""
-    counts = [_num_hidden_rows(r) for r in reqs]
-    if not any(counts):
-        return None
-    ends = np.cumsum([len(r.token_ids) for r in reqs])
-    return np.concatenate([np.arange(e - k, e) for e, k in zip(ends, counts) if k])
-
-
-def _logits_rows(reqs: list[ScheduledRequest]) -> list[int] | None:
-    """Logits rows per request: its whole chunk if it wants prompt logprobs, else its last token and its
-    drafts. None when every request has one row (the common case costs nothing)."""
-    drafts = any(r.num_draft_tokens for r in reqs)
-    if not drafts and (all(r.sampling_params.prompt_logprobs is None for r in reqs)
-                       or not any(map(_num_prompt_logprobs, reqs))):
-        return None
-    return [len(r.token_ids) if _num_prompt_logprobs(r) else r.num_draft_tokens + 1 for r in reqs]
-
-
-def _sampling_rows(reqs: list[ScheduledRequest], nrows: list[int]) -> np.ndarray:
-    """Of the _logits_rows layout, each request's last 1 + num_draft_tokens rows."""
-    ends = np.cumsum(nrows)
-    return np.concatenate([np.arange(e - r.num_draft_tokens - 1, e) for e, r in zip(ends, reqs)])
-
-
-def _row_index(widths: list[int], rows: list[int]) -> list[int] | None:
-    """The logits rows of the sampling requests `rows` (widths: rows per request); None: all of them."""
-    if len(rows) == len(widths):
-        return None
-    starts = np.cumsum([0, *widths[:-1]]).tolist()
-    return [starts[i] + k for i in rows for k in range(widths[i])]
-
-
-def _attention_sequences(reqs: list[ScheduledRequest], q_lens: list[int], seq_lens: list[int]):
-    """The sequences attention sees: (request of each, q_lens, seq_lens), or (None, q_lens, seq_lens) where
-    they are the requests. A request with drafts attends as 1 + k one-token sequences over its block table,
-    the i-th seeing the context up to its own token: the arithmetic its one-token steps would have done
-    without speculation (the decode kernel's, not the prompt kernel's, whose sums run in another order),
-    so greedy tokens come out the same with speculation on and off, and a verify step is a decode step."""
-    if not any(r.num_draft_tokens for r in reqs):
-        return None, q_lens, seq_lens
-    seqs, att_q, att_seq = [], [], []
-    for i, (r, n, s) in enumerate(zip(reqs, q_lens, seq_lens)):
-        split = r.num_draft_tokens > 0
-        seqs += [i] * (n if split else 1)
-        att_q += [1] * n if split else [n]
-        att_seq += range(s - n + 1, s + 1) if split else [s]
-    return seqs, att_q, att_seq
-
-
-def _drafts(r: ScheduledRequest) -> list[int]:
-    return r.token_ids[len(r.token_ids) - r.num_draft_tokens:]
-
-
-def _verify_greedy(drafts: list[int], targets: list[int]) -> tuple[int, int]:
-    """(drafts accepted, the model's own token after them): the drafts up to the first that differs from
-    the argmax there (`targets`: each row's one-token sample; one row without drafts), then that argmax."""
-    a = 0
-    while a < len(drafts) and drafts[a] == targets[a]:
-        a += 1
-    return a, targets[a]
-
-
-def _verify_random(scheduled: list[ScheduledRequest], rows: list[int], widths: list[int],
-                   sel: torch.Tensor) -> dict[int, tuple[int, int]]:
-    """Drafted requests that sample at temperature > 0: rejection sampling over their rows of `sel`, all
-    in one batch, so each token has the distribution a one-token step would draw it from."""
-    offsets = np.cumsum([0] + [widths[i] for i in rows]).tolist()
-    pick = [(i, o) for i, o in zip(rows, offsets) if widths[i] > 1 and scheduled[i].sampling_params.temperature]
-    if not pick:
-        return {}
-    index = torch.tensor([o + k for i, o in pick for k in range(widths[i])], device=sel.device)
-    params = [scheduled[i].sampling_params for i, _ in pick for _ in range(widths[i])]
-    results = verify_random_drafts(sel[index], params, [_drafts(scheduled[i]) for i, _ in pick])
-    return {i: r for (i, _), r in zip(pick, results)}
-
-
-def _prompt_logprobs(reqs: list[ScheduledRequest], nrows: list[int], logits: torch.Tensor):
-    out: list = [None] * len(reqs)
-    offset = 0
-    for i, (r, k) in enumerate(zip(reqs, nrows)):
-        if n := _num_prompt_logprobs(r):
-            targets = torch.tensor(r.prompt_token_ids[r.start_pos + 1:r.start_pos + 1 + n], device=logits.device)
-            out[i] = prompt_logprobs(logits[offset:offset + n], targets, r.sampling_params.prompt_logprobs)
-        offset += k
-    return out
-
-
 def _load_tokenizer_aside(path: str) -> Future:
     """The tokenizer, loaded on a worker thread while this one reads and packs the weights: it parses
     files and runs no torch op (a second thread running ops would start a second OpenMP pool)."""
@@ -621,54 +429,3 @@ def _load_tokenizer_aside(path: str) -> Future:
     future = pool.submit(weight_cache.load_tokenizer, path)
     pool.shutdown(wait=False)  # the thread ends with its one task
     return future
-
-
-def block_runs(block_ids) -> list[tuple[int, int, int]]:
-    """(index in block_ids, first block, count) for each run of consecutive ids: a pool's blocks move
-    run by run, as slice copies (a few memcpys each); indexing a pool with the id list went element by
-    element, at a third of the speed (docs/disaggregation.md)."""
-    runs, i = [], 0
-    while i < len(block_ids):
-        j = i + 1
-        while j < len(block_ids) and block_ids[j] == block_ids[j - 1] + 1:
-            j += 1
-        runs.append((i, block_ids[i], j - i))
-        i = j
-    return runs
-
-
-def gather_blocks(pool: torch.Tensor, block_ids) -> torch.Tensor:
-    """pool[:, :, block_ids] as a new tensor: every layer's K and V of those blocks, in their order."""
-    out = pool.new_empty((*pool.shape[:2], len(block_ids), *pool.shape[3:]))
-    for i, first, n in block_runs(block_ids):
-        out[:, :, i:i + n] = pool[:, :, first:first + n]
-    return out
-
-
-def scatter_blocks(pool: torch.Tensor, block_ids, blocks: torch.Tensor) -> None:
-    """pool[:, :, block_ids] = blocks, in place."""
-    for i, first, n in block_runs(block_ids):
-        pool[:, :, first:first + n] = blocks[:, :, i:i + n]
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
-    """Zeros in an anonymous mapping, which the kernel fills with zero pages on first touch: the KV pool
-    costs memory as its blocks are first used, not all of it at start-up (1 GiB written at every start).
-    Unwritten pages all read as one zero page. huge_pages: see pool_on_huge_pages."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # private: Linux gives shared anonymous memory (shmem) huge pages only where shmem_enabled allows,
-    # which it does not by default; the tensor keeps the mapping alive
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    kv = torch.frombuffer(mapping, dtype=dtype).view(shape)
-    if huge_pages:
-        pool_on_huge_pages(kv)
-    return kv
-
-
-def pool_on_huge_pages(kv: torch.Tensor) -> None:
-    """Decode reads K/V block by block from all over the pool: over 4 KiB pages nearly every block is
-    a TLB miss. Pages first touched from now on come 2 MiB at a time; a block touches one in each
-    layer's K and V, so a start that touches a few blocks pays for 2 x layers of them."""
-    advise_huge_pages(kv.data_ptr(), kv.nbytes)

@@ -38,7 +38,8 @@ import torch.multiprocessing as mp
 
 from iterserve.config import EngineConfig
 from iterserve.executor.base import ExecutorDeadError
-from iterserve.executor.model_runner import ModelRunner, eos_token_ids, pick_device, storage_dtype
+from iterserve.executor.dtypes import pick_device, storage_dtype
+from iterserve.executor.model_runner import ModelRunner, eos_token_ids
 from iterserve.model import weight_cache
 from iterserve.model.loader import default_model_path, load_model_arch, load_weights
 from iterserve.model.sharding import TensorParallel, check_tp_size, lm_head, rank_arch, shard_weights

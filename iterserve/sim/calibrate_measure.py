@@ -183,7 +183,7 @@ def _handoff_receiver(queue, timings, rounds: int) -> None:
     """measure_kv_handoff's decode side: receive, write into fresh blocks of a pool, report the seconds that took."""
     import torch
 
-    from iterserve.executor.model_runner import lazy_zeros, scatter_blocks
+    from iterserve.executor.kv_pool import lazy_zeros, scatter_blocks
     from iterserve.kv_transfer.shm_connector import ShmConnector
     torch.set_num_threads(1)
     connector, pool = ShmConnector(queue), None

@@ -53,7 +53,7 @@ def _real_kv_blocks(kw: dict) -> int:
     from iterserve.config import parse_bytes
     from iterserve.model.loader import default_model_path
     from iterserve.sim.model_spec import get_model_spec, with_kv_cache_dtype
-    from iterserve.executor.model_runner import pick_device, storage_dtype
+    from iterserve.executor.dtypes import pick_device, storage_dtype
     elem = storage_dtype(kw.get("dtype", "auto"), pick_device("auto"), kw.get("quantization")).itemsize
     spec = with_kv_cache_dtype(get_model_spec(kw.get("model") or default_model_path(), elem),
                                kw.get("kv_cache_dtype", "auto"))

@@ -16,7 +16,8 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.entrypoints.args import add_engine_args
-from iterserve.executor.model_runner import ModelRunner, kv_dtype_name
+from iterserve.executor.dtypes import kv_dtype_name
+from iterserve.executor.model_runner import ModelRunner
 from iterserve.executor.tp_executor import TPExecutor
 from iterserve.kv.spec import KVCacheSpec, num_blocks_for
 from iterserve.kv_transfer.shm_connector import ShmConnector

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve.executor.model_runner import lazy_zeros
+from iterserve.executor.kv_pool import lazy_zeros
 
 MiB = 1 << 20
 

@@ -143,7 +143,7 @@ def test_attributes(runner):
 def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(runner, monkeypatch):
     """The default on a CPU without bf16 instructions (where the kernels build): half float32's bytes
     per step and per cached token, float32 arithmetic; greedy tokens as the float32 runner's here."""
-    from iterserve.executor.model_runner import storage_dtype
+    from iterserve.executor.dtypes import storage_dtype
     from iterserve.model import cpu_kernels, cpu_paths
     from iterserve.model.quant import PanelWeight
     if cpu_kernels.linear_kernel() is None:
@@ -186,7 +186,7 @@ def test_bf16_storage_keeps_weights_and_kv_in_bfloat16_and_computes_in_float32(r
 @settings(max_examples=60, deadline=None)
 def test_blocks_move_run_by_run_as_indexing_would(block_ids):
     """gather/scatter copy runs of consecutive ids as slices; the result is pool[:, :, ids]'s."""
-    from iterserve.executor.model_runner import block_runs, gather_blocks, scatter_blocks
+    from iterserve.executor.kv_pool import block_runs, gather_blocks, scatter_blocks
     pool = torch.arange(2 * 2 * 41 * 3, dtype=torch.float32).view(2, 2, 41, 3)
     runs = block_runs(block_ids)
     assert [b for _, first, n in runs for b in range(first, first + n)] == block_ids

@@ -52,7 +52,7 @@ def test_this_machine_runs_what_cpu_paths_says():
     assert paths.kernels == (cpu_kernels.linear_kernel() is not None)
     if paths.isa in ("avx512", "avx512_bf16", "amx") and paths.kernels:
         assert cpu_kernels.linear_int8_supported() == paths.w8a8
-    from iterserve.executor.model_runner import pick_dtype  # --dtype auto follows it
+    from iterserve.executor.dtypes import pick_dtype  # --dtype auto follows it
     assert pick_dtype("auto", torch.device("cpu")) == (torch.bfloat16 if paths.bf16_arithmetic else torch.float32)
 
 
