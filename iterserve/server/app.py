@@ -29,12 +29,13 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
               max_request_bytes: int = 1 << 20, metrics=None,
               allowed_origins: list[str] | None = None, diagnostics: Diagnostics | None = None,
               pooling: str = "last", reasoning_parser: str | None = None,
-              runtime_lora_updating: bool = False) -> FastAPI:
+              runtime_lora_updating: bool = False, health=None) -> FastAPI:
     """The OpenAI app over an engine client (server/engine_client.py), checked here. `metrics`: what
     /metrics renders; by default a ServerMetrics fed by the client's on_step. A caller that passes its
     own (the Ray ingress: ClusterMetrics) feeds it itself. `pooling`: how /v1/embeddings pools;
     `reasoning_parser`: how chat replies' reasoning is split off (server/reasoning.py); `runtime_lora_updating`:
-    mount the LoRA load/unload routes (server/lora_routes.py)."""
+    mount the LoRA load/unload routes (server/lora_routes.py); `health`: a /health handler in place of the
+    engine's own (the Ray ingress reports its replicas)."""
     check_engine_client(async_engine)
     if metrics is None:
         metrics = ServerMetrics(served_model_name)
@@ -51,7 +52,7 @@ def build_app(async_engine: EngineClient, served_model_name: str, api_key: str |
     add_error_handlers(app)
 
     routes = Routes(async_engine, served_model_name, reasoning_parser)
-    app.include_router(info.router(routes, metrics))
+    app.include_router(info.router(routes, metrics, health))
     app.include_router(completions.router(routes))
     app.include_router(chat.router(routes))
     app.include_router(embeddings.router(routes, pooling))

@@ -19,18 +19,20 @@ if TYPE_CHECKING:
     from iterserve.server.routes import Routes
 
 
-def router(routes: Routes, metrics) -> APIRouter:
-    """`metrics`: what /metrics renders."""
+def router(routes: Routes, metrics, health=None) -> APIRouter:
+    """`metrics`: what /metrics renders; `health`: the /health handler, when not one engine's (the Ray ingress:
+    its replicas')."""
     api = APIRouter()
     engine, tokenizer, max_model_len = routes.engine, routes.tokenizer, routes.max_model_len
 
-    @api.get("/health")
-    async def health():
+    async def engine_health():
         if engine.dead is not None:
             return error_response(503, f"the engine loop has died: {engine.dead!r}", "engine_dead")
         if engine.draining:  # load balancers stop sending here while the open requests finish
             return error_response(503, "the server is shutting down", ShuttingDownError.type)
         return Response(status_code=200)
+
+    api.get("/health")(health or engine_health)
 
     @api.get("/version")
     async def version():

@@ -276,17 +276,13 @@ class Ingress:
         metrics = ClusterMetrics(self.app_kwargs["served_model_name"])
         client = ReplicaClient(self.engines, info["tokenizer"], info["max_model_len"], info["vocab_size"],
                                info["eos_token_ids"], metrics.latencies)
-        app = build_app(client, metrics=metrics, **self.app_kwargs)  # its /metrics renders ClusterMetrics
-        app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) != "/health"]
-
-        @app.get("/health")
         async def health():
             """200 while at least one replica's engine runs; the body says how each one is doing."""
             stats = replica_stats()
             status = 200 if any(s.get("alive") for s in stats.values()) else 503
             return JSONResponse({"replicas": stats}, status_code=status)
 
-        return app
+        return build_app(client, metrics=metrics, health=health, **self.app_kwargs)  # /metrics renders ClusterMetrics
 
 
 def build_ray_app(build_engine: Callable[[], object], num_replicas: int, served_model_name: str, *,
