@@ -48,6 +48,7 @@ _MAX_COMPLETION = 512  # characters; a grammar needing more is not steered
 _WATCH = 24  # spare tokens below which each sampled token is checked (one token rarely adds more)
 _RECHECK = 32  # steps between looks at the completion while far from the end
 _TOKEN_BYTES = 16  # longest token tried when tokenizing a completion
+_RUN = 15  # characters more at a time in a string that cannot close yet: the search's steps, not its length
 
 
 class GrammarCache:
@@ -182,7 +183,11 @@ class Matchers:
 
     def _checked(self, r: ScheduledRequest, t: _Tracked, token: int) -> int:
         """`token`, unless the completion after it no longer fits the tokens left after it: then the
-        completion's next token (the plan of this step, which fits)."""
+        completion's next token (the plan of this step, which fits). A token that follows the plan
+        leaves the rest of the plan, with no search."""
+        if t.plan and t.plan_at == t.num_accepted and token == t.plan[0]:
+            t.plan, t.plan_at = t.plan[1:], t.num_accepted + 1
+            return token
         left = r.sampling_params.max_tokens - r.output_len - 1
         m = t.matcher.fork()
         after = shortest_completion(m) if m.accept_token(token) else None
@@ -219,29 +224,34 @@ class Matchers:
 
 def shortest_completion(matcher: xgr.GrammarMatcher) -> str | None:
     """A short text that completes the grammar from the matcher's state (None: none found): what
-    the grammar forces, else the first character of _tried it accepts. Not always the shortest (it opens an
+    the grammar forces, else the first character of _TRIED (_TRIED_IN_STRING) it accepts. Not always the shortest (it opens an
     object before it tries null), but short and always valid."""
-    m, out = matcher.fork(), []
+    m, out, size = matcher.fork(), [], 0
     while not m.is_completed():
-        if sum(map(len, out)) > _MAX_COMPLETION:
+        if size > _MAX_COMPLETION:
             return None
         forced = m.find_jump_forward_string()
         if forced and m.accept_string(forced):
             out.append(forced)
+            size += len(forced)
             continue
-        tried = next((c for c in _tried(m) if m.accept_string(c)), None)
+        in_string = _in_string(m)
+        tried = next((c for c in (_TRIED_IN_STRING if in_string else _TRIED) if m.accept_string(c)), None)
         if tried is None:
             return None
+        if in_string and tried != '"' and m.accept_string(tried * _RUN):
+            tried *= _RUN + 1  # a string that cannot close yet (minLength) fills a run at a time
         out.append(tried)
+        size += len(tried)
     return "".join(out)
 
 
-def _tried(m: xgr.GrammarMatcher) -> str:
+def _in_string(m: xgr.GrammarMatcher) -> bool:
     """Inside a string a space is text; outside one, without free whitespace, it is refused."""
     if m.accept_string(" "):
         m.rollback(1)
-        return _TRIED_IN_STRING
-    return _TRIED
+        return True
+    return False
 
 
 def _allow_only(mask: torch.Tensor, row: int, tokens: list[int]) -> None:
