@@ -261,7 +261,7 @@ class ModelRunner:
         with torch.inference_mode():
             nrows = _logits_rows(plan.scheduled)  # once per step: _prepare and _sample both read it
             inputs = self._prepare(plan, nrows)
-            lora = None if self.lora is None else self.lora.batch(
+            lora = None if not self.lora_adapters else self.lora.batch(  # no per-step lists while none is loaded
                 [r.sampling_params.lora_name for r in plan.scheduled], [len(r.token_ids) for r in plan.scheduled])
             hidden_rows = _hidden_rows(plan.scheduled)
             if hidden_rows is None:
