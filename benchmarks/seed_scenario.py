@@ -58,7 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="model_shapes.py's --cache-dir")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256, help="every output's length, or their mean")
+    p.add_argument("--output-dist", choices=("fixed", "uniform"), default="fixed",
+                   help="uniform: 1 .. 2 x --output-len - 1 (the same mean). With fixed lengths and every request "
+                   "arriving at once, continuous batching has nothing to refill: it equals static by construction")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool (default: --max-num-seqs whole requests, and the curve's largest batch)")
@@ -85,8 +88,9 @@ def default_model(cache_dir: str) -> str | None:
 
 
 def seed_trace(args: argparse.Namespace) -> Trace:
-    return make_trace(args.num_requests, LengthDist("fixed", args.prompt_len), LengthDist("fixed", args.output_len),
-                      seed=args.seed)
+    output = (LengthDist("fixed", args.output_len) if args.output_dist == "fixed"
+              else LengthDist("uniform", args.output_len, low=1, high=2 * args.output_len - 1))
+    return make_trace(args.num_requests, LengthDist("fixed", args.prompt_len), output, seed=args.seed)
 
 
 def engine_kwargs(args: argparse.Namespace, model: str | None, batches: list[int]) -> dict:
@@ -96,7 +100,8 @@ def engine_kwargs(args: argparse.Namespace, model: str | None, batches: list[int
     if args.num_kv_blocks and args.num_kv_blocks < curve:  # found before the targets run, not after
         raise ValueError(f"the curve's batch {max(batches)} at context {args.context} needs {curve} KV blocks: "
                          f"--num-kv-blocks {args.num_kv_blocks} is fewer")
-    blocks = args.num_kv_blocks or max(args.max_num_seqs * cdiv(args.prompt_len + args.output_len, block_size), curve)
+    longest = args.output_len if args.output_dist == "fixed" else 2 * args.output_len - 1
+    blocks = args.num_kv_blocks or max(args.max_num_seqs * cdiv(args.prompt_len + longest, block_size), curve)
     return {"model": model, "max_num_seqs": args.max_num_seqs, "num_kv_blocks": blocks,
             "num_threads": args.num_threads, "seed": args.seed}
 

@@ -79,3 +79,14 @@ def test_a_pool_too_small_for_the_curve_fails_before_any_model_loads(tmp_path, c
     args = ["--model", str(tmp_path / "never-read"), "--num-kv-blocks", "4", "--batches", "1,8", "--context", "60"]
     assert seed.main(args) == 1
     assert "needs 32 KV blocks" in capsys.readouterr().err
+
+
+def test_uniform_outputs_vary_around_the_mean_and_the_pool_seats_the_longest():
+    args = seed.parse_args(["--num-requests", "64", "--output-len", "100", "--output-dist", "uniform",
+                            "--prompt-len", "32", "--max-num-seqs", "4", "--batches", "1"])
+    args.context = 64
+    lengths = [r.output_len for r in seed.seed_trace(args).requests]
+    assert len(set(lengths)) > 10 and 1 <= min(lengths) and max(lengths) <= 199
+    assert 70 < sum(lengths) / len(lengths) < 130
+    blocks = seed.engine_kwargs(args, None, [1])["num_kv_blocks"]
+    assert blocks == 4 * -(-(32 + 199) // 16)
