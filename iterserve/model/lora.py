@@ -55,10 +55,10 @@ def read_adapter(name: str, path: str, max_rank: int, arch: ModelArch | None = N
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_A or lora_B, not both")
         a, b = ab["A"].float(), ab["B"].float()
-        r = a.shape[0]
-        if a.ndim != 2 or b.ndim != 2 or b.shape[1] != r:
+        if a.ndim != 2 or b.ndim != 2 or b.shape[1] != a.shape[0]:
             raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: lora_A {tuple(a.shape)} and "
                              f"lora_B {tuple(b.shape)} disagree on the rank")
+        r = a.shape[0]
         if r > max_rank:
             raise ValueError(f"LoRA adapter {name!r} has rank {r}, above --max-lora-rank {max_rank}")
         weights[(layer, module)] = (a, b * scale(r))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, leaks, no_leaks, wait_for
+from tests.faulty_executor import FaultyExecutor
+from tests.server.conftest import MODEL, fake_engine, leaks, no_leaks, start_server, wait_for
 
 
 @pytest.fixture
@@ -66,3 +67,19 @@ def test_background_needs_store_and_is_not_streamed(client):
     with pytest.raises(openai.BadRequestError, match="stream") as e:
         client.responses.create(model=MODEL, input="hi", background=True, stream=True)
     assert e.value.body["param"] == "stream"
+
+
+def test_a_step_fault_fails_the_background_response(tokenizer):
+    server = start_server(fake_engine(tokenizer, step_delay=0.005, wrap=FaultyExecutor))
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=30)
+        r = client.responses.create(model=MODEL, input="hi", max_output_tokens=1500, background=True)
+        _settled(client, r.id, ("in_progress",))
+        server.async_engine.engine.executor.fail(1)
+        failed = _settled(client, r.id, ("failed",))
+        assert "injected fault" in failed.error.message and failed.usage is None
+        with pytest.raises(openai.BadRequestError, match="already ended"):
+            client.responses.cancel(r.id)
+        wait_for(lambda: no_leaks(server), 10, f"leaks: {leaks(server)}")
+    finally:
+        server.stop()
