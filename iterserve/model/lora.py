@@ -15,17 +15,20 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
 from iterserve.executor.base import LoRANotFoundError
+from iterserve.model.arch import ModelArch
+from iterserve.model.lora_gguf import SUPPORTED as GGUF_SUPPORTED, Pairs, read_gguf_lora
 
 # PEFT's module name -> (the model's fused linear, its part)
 TARGETS = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
            "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0)}
 SUPPORTED = "a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors or .bin) targeting " + \
-            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+            "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or " + GGUF_SUPPORTED
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -38,11 +41,35 @@ class LoRAAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
-    """Read a PEFT LoRA adapter; ValueError naming what is wrong (a missing file, an unsupported
-    option or module, a rank above max_rank)."""
+def read_adapter(name: str, path: str, max_rank: int, arch: ModelArch | None = None) -> LoRAAdapter:
+    """Read a PEFT LoRA directory, or a GGUF LoRA file (whose Q/K rows need the model's `arch`);
+    ValueError naming what is wrong (a missing file, an unsupported option or module, a rank above max_rank)."""
     if os.path.isfile(path) and path.endswith(".gguf"):
-        raise ValueError(f"LoRA adapter {name!r}: GGUF LoRA files are not supported; give {SUPPORTED}")
+        if arch is None:
+            raise ValueError(f"LoRA adapter {name!r}: a GGUF LoRA file is read against its model's architecture")
+        pairs, scale = read_gguf_lora(name, path, arch)
+    else:
+        pairs, scale = _read_peft(name, path)
+    weights, rank = {}, 0
+    for (layer, module), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_A or lora_B, not both")
+        a, b = ab["A"].float(), ab["B"].float()
+        if a.ndim != 2 or b.ndim != 2 or b.shape[1] != a.shape[0]:
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: lora_A {tuple(a.shape)} and "
+                             f"lora_B {tuple(b.shape)} disagree on the rank")
+        r = a.shape[0]
+        if r > max_rank:
+            raise ValueError(f"LoRA adapter {name!r} has rank {r}, above --max-lora-rank {max_rank}")
+        weights[(layer, module)] = (a, b * scale(r))
+        rank = max(rank, r)
+    if not weights:
+        raise ValueError(f"LoRA adapter {name!r}: {path!r} holds no LoRA weights")
+    return LoRAAdapter(name, path, rank, weights)
+
+
+def _read_peft(name: str, path: str) -> tuple[Pairs, Callable[[int], float]]:
+    """A PEFT directory's A/B pairs by (layer, module) and its scale for a rank."""
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"LoRA adapter {name!r}: no adapter_config.json in {path!r}; give {SUPPORTED}")
@@ -54,31 +81,15 @@ def read_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
     if not isinstance(config, dict):
         raise ValueError(f"LoRA adapter {name!r}: {config_path!r} is not a JSON object")
     _check_config(name, config)
-    tensors = _read_tensors(name, path)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    pairs: Pairs = {}
+    for key, tensor in _read_tensors(name, path).items():
         m = _KEY.search(key)
         if m is None or m.group(2) not in TARGETS:
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a supported "
                              f"module; give {SUPPORTED}")
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
-    weights, alpha, rank = {}, float(config.get("lora_alpha", 8)), 0
-    for (layer, module), ab in pairs.items():
-        if set(ab) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_A or lora_B, not both")
-        a, b = ab["A"].float(), ab["B"].float()
-        r = a.shape[0]
-        if b.shape[1] != r:
-            raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module}: lora_A {tuple(a.shape)} and "
-                             f"lora_B {tuple(b.shape)} disagree on the rank")
-        if r > max_rank:
-            raise ValueError(f"LoRA adapter {name!r} has rank {r}, above --max-lora-rank {max_rank}")
-        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-        weights[(layer, module)] = (a, b * scale)
-        rank = max(rank, r)
-    if not weights:
-        raise ValueError(f"LoRA adapter {name!r}: {path!r} holds no LoRA weights")
-    return LoRAAdapter(name, path, rank, weights)
+    alpha = float(config.get("lora_alpha", 8))
+    return pairs, (lambda r: alpha / math.sqrt(r)) if config.get("use_rslora") else (lambda r: alpha / r)
 
 
 def _check_config(name: str, config: dict) -> None:
@@ -136,7 +147,7 @@ class LoRASlots:
         # Granite folds a multiplier into o and down: their deltas take it too
         self.out_scale = {"o": cfg.residual_multiplier, "down": cfg.residual_multiplier}
         self.dense = [layer.experts is None for layer in model.layers]  # routed-experts MLPs take no LoRA
-        self.num_layers = cfg.num_layers
+        self.num_layers, self.arch = cfg.num_layers, cfg
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slot_of: dict[str, int] = {}
         # name -> path, replaced whole on each change, never edited: other threads read it (the HTTP routes)
@@ -167,7 +178,7 @@ class LoRASlots:
         if not free:
             raise ValueError(f"all --max-loras {self.max_loras} LoRA slots hold adapters "
                              f"({', '.join(self.slot_of)}): unload one first")
-        adapter = read_adapter(name, path, self.max_rank)
+        adapter = read_adapter(name, path, self.max_rank, self.arch)
         self._check_fits(adapter)
         if self.a is None:
             self._allocate()

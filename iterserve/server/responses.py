@@ -6,15 +6,16 @@ reply becomes output items: a reasoning item (with --reasoning-parser), a messag
 
 Stored responses live in memory, an LRU of `capacity`; each keeps its whole conversation, so a
 `previous_response_id` continues it even after the responses before it were evicted. Instructions are
-not carried over (OpenAI's rule). Responses run in the foreground only: `background: true` is a 400, and
-so is cancelling, which only a background response could be.
+not carried over (OpenAI's rule). A `background: true` response runs detached from its HTTP request:
+create returns it queued, GET shows its output so far and then the final response, and cancel aborts
+its engine request (responses_store.py holds it, with its run, until it ends).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
@@ -26,40 +27,11 @@ from iterserve.server.streams import _STREAM_ERRORS, _collect, _SSEResponse
 from iterserve.server.protocol import ChatCompletionRequest, ResponseMessage
 from iterserve.server.reply_stream import Done, Text, reply_events
 from iterserve.server.responses_protocol import ResponsesRequest
+from iterserve.server.responses_store import ResponseStore, Stored
 
 if TYPE_CHECKING:
     from iterserve.outputs import RequestOutput
     from iterserve.server.routes import Chat, Routes
-
-
-@dataclass
-class Stored:
-    response: dict[str, Any]  # the body GET returns
-    messages: list[dict[str, Any]]  # the conversation so far, its reply included, without instructions
-
-
-@dataclass
-class ResponseStore:
-    capacity: int = 1024
-    items: OrderedDict[str, Stored] = field(default_factory=OrderedDict)
-
-    def put(self, stored: Stored) -> None:
-        self.items[stored.response["id"]] = stored
-        self.items.move_to_end(stored.response["id"])
-        while len(self.items) > self.capacity:
-            self.items.popitem(last=False)
-
-    def get(self, response_id: str, param: str | None = None) -> Stored:
-        stored = self.items.get(response_id)
-        if stored is None:
-            raise ApiError(404, f"no stored response with id {response_id!r} (never stored, deleted, or evicted: "
-                                f"this server keeps the latest {self.capacity})", "not_found_error", param)
-        self.items.move_to_end(response_id)
-        return stored
-
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        del self.items[response_id]
 
 
 def router(routes: Routes, capacity: int = 1024) -> APIRouter:
@@ -68,14 +40,12 @@ def router(routes: Routes, capacity: int = 1024) -> APIRouter:
 
     @api.post("/v1/responses")
     async def create(body: ResponsesRequest, request: Request):
-        if body.background:
-            raise ApiError(400, "background responses are not supported: iterserve runs a response while its "
-                                "request is open", param="background")
-        history = store.get(body.previous_response_id, "previous_response_id").messages \
-            if body.previous_response_id else []
-        messages = history + body.chat_messages()
+        _check_background(body)
+        messages = _history(store, body.previous_response_id) + body.chat_messages()
         chat = await routes.start_chat(_chat_request(body, messages))
         turn = _Turn(body, messages, routes.model, chat.stream.request_id)
+        if body.background:
+            return _start_background(turn, chat, store)
         if body.stream:
             return _SSEResponse([chat.stream], _events(turn, chat, store))
         out = (await _collect([chat.stream], request))[0][0]
@@ -95,11 +65,37 @@ def router(routes: Routes, capacity: int = 1024) -> APIRouter:
 
     @api.post("/v1/responses/{response_id}/cancel")
     async def cancel(response_id: str):
-        store.get(response_id)
-        raise ApiError(400, "only a background response can be cancelled, and iterserve runs none: this one has "
-                            "already ended")
+        stored = store.get(response_id)
+        status = stored.response["status"]
+        if not stored.response["background"]:
+            raise ApiError(400, "only a background response can be cancelled: this one ran in the foreground")
+        if stored.running:
+            stored.cancel()
+        elif status != "cancelled":
+            raise ApiError(400, f"this response has already ended ({status}): only a queued or in-progress "
+                                "background response can be cancelled")
+        return stored.response
 
     return api
+
+
+def _check_background(body: ResponsesRequest) -> None:
+    if body.background and not body.store:
+        raise ApiError(400, "background: true needs store: a background response is read back by its id",
+                       param="background")
+    if body.background and body.stream:
+        raise ApiError(400, "stream: true with background: true is not supported: create the response, then "
+                            "poll GET /v1/responses/{id}", param="stream")
+
+
+def _history(store: ResponseStore, previous_id: str | None) -> list[dict[str, Any]]:
+    if not previous_id:
+        return []
+    stored = store.get(previous_id, "previous_response_id")
+    if stored.response["status"] not in ("completed", "incomplete"):
+        raise ApiError(400, f"the previous response {previous_id!r} is {stored.response['status']}: only a "
+                            "finished response can be continued", param="previous_response_id")
+    return stored.messages
 
 
 def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -141,12 +137,16 @@ class _Turn:
                 "usage": usage, **self.body.echo()}
 
     def save(self, store: ResponseStore, response: dict, message: ResponseMessage) -> None:
-        if not self.body.store:
-            return
-        reply = {"role": "assistant", "content": message.content}
-        if message.tool_calls:
-            reply["tool_calls"] = [c.model_dump() for c in message.tool_calls]
-        store.put(Stored(response, self.messages + [reply]))
+        if self.body.store:
+            store.put(Stored(response, self.messages + [_reply(message)]))
+
+
+def _reply(message: ResponseMessage) -> dict[str, Any]:
+    """The reply as the conversation's next chat message."""
+    reply = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        reply["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+    return reply
 
 
 def _new_id(prefix: str) -> str:
@@ -218,6 +218,14 @@ class _Events:
                 self.event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
                            part=part)]
 
+    def items(self) -> list[dict]:
+        """The output so far: the finished items, then the open one with its text so far."""
+        if self.open is None:
+            return list(self.output)
+        (kind, item_id), text = self.open, self.text
+        item = _reasoning_item(item_id, text) if kind == "reasoning" else _message_item(item_id, text)
+        return self.output + [{**item, "status": "in_progress"}]
+
     def close(self, status: str = "completed") -> list[str]:
         if self.open is None:
             return []
@@ -272,3 +280,38 @@ async def _events(turn: _Turn, chat: Chat, store: ResponseStore) -> AsyncIterato
             yield ev.event(final, response=response)
     except (ApiError, *_STREAM_ERRORS) as e:
         yield ev.event("error", code=str(getattr(e, "status", 500)), message=str(e), param=None)
+
+
+def _start_background(turn: _Turn, chat: Chat, store: ResponseStore) -> dict:
+    """Store the response queued and run it detached from this HTTP request; GET reads it as it goes."""
+    stored = Stored({**turn.response([]), "status": "queued"}, turn.messages, chat.stream)
+    store.put(stored)
+    stored.task = asyncio.create_task(_run_background(turn, chat, stored))
+    return stored.response
+
+
+async def _run_background(turn: _Turn, chat: Chat, stored: Stored) -> None:
+    """The streamed response's items, kept in `stored` instead of sent: in_progress from the first text
+    (a reply with tools is held until it ends, as when streamed), then the final response."""
+    ev = _Events(turn)
+    try:
+        async for e in reply_events(chat):
+            if not stored.running:  # cancelled: its request is already aborted
+                return
+            if isinstance(e, Text):
+                ev.delta(e.kind, e.text)
+                stored.response = turn.response(ev.items())
+                continue
+            ev.close("incomplete" if e.finish_reason == "length" else "completed")
+            for item in _call_items(e.message):
+                ev.call(item)
+            stored.response = turn.response(ev.output, e.out, e.finish_reason)
+            stored.messages, stored.stream, stored.task = turn.messages + [_reply(e.message)], None, None
+            return
+        error = "the request ended without a reply"
+    except (ApiError, *_STREAM_ERRORS) as e:
+        error = str(e)
+    if stored.running:
+        stored.response = {**turn.response(ev.items()), "status": "failed",
+                           "error": {"code": "server_error", "message": error}}
+        stored.stream = stored.task = None

@@ -124,7 +124,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
-    background: bool | None = None  # refused when true: responses run in the foreground only
+    background: bool | None = None  # run detached from the request (responses.py); needs store
     truncation: Literal["disabled"] | None = None  # "auto" would drop turns silently: not offered
 
     def chat_messages(self) -> list[dict[str, Any]]:
@@ -183,5 +183,5 @@ class ResponsesRequest(BaseModel):
                 "text": {"format": self.text.format.model_dump(by_alias=True, exclude_none=True)
                          if self.text and self.text.format else {"type": "text"}},
                 "previous_response_id": self.previous_response_id, "metadata": self.metadata or {},
-                "store": self.store, "background": False, "truncation": "disabled", "user": self.user,
+                "store": self.store, "background": bool(self.background), "truncation": "disabled", "user": self.user,
                 "reasoning": None}

@@ -148,7 +148,7 @@ def test_unloading_an_adapter_in_use_is_refused_then_allowed(server, client, ada
 @pytest.mark.parametrize("body, words", [
     ({"lora_name": "x", "lora_path": "/no/such/dir"}, "no adapter_config.json"),
     ({"lora_name": "x", "lora_path": "BIG"}, "rank 16, above --max-lora-rank 8"),
-    ({"lora_name": "x", "lora_path": "/tmp/adapter.gguf"}, "GGUF LoRA files are not supported"),
+    ({"lora_name": "x", "lora_path": "/tmp/adapter.gguf"}, "as GGUF"),  # a corrupt one
     ({"lora_name": MODEL, "lora_path": "A0"}, "the base model's name"),
     ({"lora_name": "a0", "lora_path": "A0"}, "already loaded"),
     ({"lora_name": "x", "lora_path": "A0", "lora_int_id": 3}, "lora_int_id"),

@@ -95,7 +95,8 @@ def test_stored_responses_continue_retrieve_and_delete(fake_server):
     ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
     ({"input": "hi", "text": {"format": {"type": "text"}, "verbosity": "low"}}, "text.verbosity"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "background": True, "store": False}, "background"),
+    ({"input": "hi", "background": True, "stream": True}, "stream"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": []}, None),
     ({"input": "hi", "tool_choice": "required"}, None),  # needs tools
@@ -162,3 +163,14 @@ def test_text_format_json_schema(client):
     r = client.responses.create(model=MODEL, input="Name a city in Japan.", max_output_tokens=60,
                                 text={"format": {"type": "json_schema", "name": "place", "schema": schema}})
     assert set(json.loads(r.output_text)) == {"city", "country"}
+
+
+@pytest.mark.slow
+def test_background_response_polled_to_completion(client):
+    r = client.responses.create(model=MODEL, input="What is the capital of France? Answer in one word.",
+                                max_output_tokens=60, temperature=0, background=True)
+    assert r.status == "queued" and r.background
+    done = wait_for(lambda: (got := client.responses.retrieve(r.id)).status not in ("queued", "in_progress") and got,
+                    120, "the background response did not finish")
+    assert done.status == "completed" and "Paris" in done.output_text and done.usage.output_tokens > 0
+    assert done.output[0].type == "message" and done.output[0].status == "completed"
