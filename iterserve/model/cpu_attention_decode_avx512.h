@@ -370,6 +370,9 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
         if (j >= 2 * num_blocks) return nullptr;
         return (j < num_blocks ? k_cache : v_cache) + size_t(table[j % num_blocks]) * block + h * head_block + at;
     };
+    for (int j = 0; j < std::min(ahead, num_blocks); ++j)  // nothing read before them prefetched these
+        for (int h = 0; h < num_kv_heads; ++h)
+            for (size_t at = 0; at < head_block; at += 32) prefetch_line(stream(j, h, at));
     for (int j = 0; j < num_blocks; ++j) {
         const uint16_t* blk = k_cache + size_t(table[j]) * block;
         for (int h = 0; h < num_kv_heads; ++h)
