@@ -275,9 +275,19 @@ void attend_seq(const T* q, const KV* k_cache, const KV* v_cache, const int32_t*
 inline size_t pair_k(int i, int r, int bs) { return (size_t(i) * bs + r) * 2; }  // dims 2i, 2i+1 of position r
 inline size_t pair_v(int r, int d, int D) { return (size_t(r / 2) * D + d) * 2 + (r & 1); }
 
+// Positions ahead that attend_pairs prefetches (whole blocks; at least one). It prefetches into L2 a line
+// of the block that far on in the stream of K's blocks then V's with each line it reads, at the same place
+// in the block: prefetching a block's lines all at once, one block ahead, queued them behind each other
+// and left the arithmetic waiting on memory about as long as it had worked (see
+// benchmarks/decode_attention.py; docs/performance.md).
+constexpr int kPairsAhead = 32;
+inline void prefetch_line(const uint16_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+
 // NT query heads' scores for 16 positions: k points at their first K pair, pairs bs * 2 elements apart.
+// ahead (or null): the same place kPairsAhead positions on, its lines prefetched as k's are read.
 template <int D, int NT>
-inline void qk_pairs(const uint16_t* k, int bs, const uint32_t* qg, float* s, size_t padded, __m512 scale) {
+inline void qk_pairs(const uint16_t* k, int bs, const uint32_t* qg, float* s, size_t padded, __m512 scale,
+                     const uint16_t* ahead) {
     constexpr int A = 4;  // accumulators a head: the dot product's latency
     __m512 a[NT][A];
 #pragma GCC unroll 16
@@ -286,7 +296,10 @@ inline void qk_pairs(const uint16_t* k, int bs, const uint32_t* qg, float* s, si
 #pragma GCC unroll 4
     for (int i = 0; i < D / 2; i += A) {
         __m512bh kv[A];
-        for (int u = 0; u < A; ++u) kv[u] = (__m512bh)_mm512_loadu_si512(k + pair_k(i + u, 0, bs));
+        for (int u = 0; u < A; ++u) {
+            if (ahead) prefetch_line(ahead + pair_k(i + u, 0, bs));
+            kv[u] = (__m512bh)_mm512_loadu_si512(k + pair_k(i + u, 0, bs));
+        }
         for (int t = 0; t < NT; ++t)
             for (int u = 0; u < A; ++u)
                 a[t][u] = _mm512_dpbf16_ps(a[t][u], (__m512bh)_mm512_set1_epi32(qg[t * (D / 2) + i + u]), kv[u]);
@@ -301,8 +314,10 @@ inline void qk_pairs(const uint16_t* k, int bs, const uint32_t* qg, float* s, si
 // (pstride apart), from the block's first position. A V vector's two positions come apart by a shift
 // (the even one) and a mask (the odd one), each value exact in float32, so the sums are the row
 // kernel's, in its order. odd: the last pair's second position is past the sequence, its V unwritten.
+// ahead: as qk_pairs'.
 template <int D, int NT>
-inline void pv_pairs(const uint16_t* v, int pairs, bool odd, const float* pg, size_t pstride, float* acc) {
+inline void pv_pairs(const uint16_t* v, int pairs, bool odd, const float* pg, size_t pstride, float* acc,
+                     const uint16_t* ahead) {
     constexpr int C = D / 16;
     const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
     __m512 a[NT][C];
@@ -312,6 +327,7 @@ inline void pv_pairs(const uint16_t* v, int pairs, bool odd, const float* pg, si
         const __mmask32 keep = odd && j == pairs - 1 ? 0x55555555u : 0xffffffffu;  // 0 * an unwritten inf is nan
         __m512 v0[C], v1[C];
         for (int c = 0; c < C; ++c) {
+            if (ahead) prefetch_line(ahead + pair_v(2 * j, 16 * c, D));
             const __m512i vv = _mm512_maskz_loadu_epi16(keep, v + pair_v(2 * j, 16 * c, D));
             v0[c] = _mm512_castsi512_ps(_mm512_slli_epi32(vv, 16));
             v1[c] = _mm512_castsi512_ps(_mm512_and_si512(vv, high));
@@ -349,20 +365,25 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
             default: body(std::integral_constant<int, 4>{});
         }
     };
+    const int ahead = std::max(1, kPairsAhead / bs);
+    auto stream = [&](int j, int h, size_t at) -> const uint16_t* {  // block j of K's then V's; null past them
+        if (j >= 2 * num_blocks) return nullptr;
+        return (j < num_blocks ? k_cache : v_cache) + size_t(table[j % num_blocks]) * block + h * head_block + at;
+    };
+    for (int j = 0; j < std::min(ahead, num_blocks); ++j)  // nothing read before them prefetched these
+        for (int h = 0; h < num_kv_heads; ++h)
+            for (size_t at = 0; at < head_block; at += 32) prefetch_line(stream(j, h, at));
     for (int j = 0; j < num_blocks; ++j) {
         const uint16_t* blk = k_cache + size_t(table[j]) * block;
-        const uint16_t* next = j + 1 < num_blocks ? k_cache + size_t(table[j + 1]) * block  // then V's first
-                                                  : v_cache + size_t(table[0]) * block;
-        for (int h = 0; h < num_kv_heads; ++h) {
-            prefetch_l2(next + h * head_block, head_block * 2);
+        for (int h = 0; h < num_kv_heads; ++h)
             for (int p = j * bs; p < (j + 1) * bs && p < seq_len; p += 16)
                 for (int g0 = h * G; g0 < (h + 1) * G; g0 += 4)
                     tile(std::min(4, (h + 1) * G - g0), [&](auto nt) {
-                        const uint16_t* k = blk + h * head_block + pair_k(0, p - j * bs, bs);
-                        qk_pairs<D, decltype(nt)::value>(k, bs, qp + g0 * (D / 2), s + size_t(g0) * padded + p, padded,
-                                                         vscale);
+                        const size_t at = pair_k(0, p - j * bs, bs);
+                        qk_pairs<D, decltype(nt)::value>(blk + h * head_block + at, bs, qp + g0 * (D / 2),
+                                                         s + size_t(g0) * padded + p, padded, vscale,
+                                                         g0 == h * G ? stream(j + ahead, h, at) : nullptr);
                     });
-        }
     }
     if (skip > 0 || softcap > 0.f)
         for (int g = 0; g < H; ++g) cap_and_mask(s + size_t(g) * padded, seq_len, skip, softcap);
@@ -373,16 +394,14 @@ void attend_pairs(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
     for (int j = 0; j < num_blocks; ++j) {
         const uint16_t* blk = v_cache + size_t(table[j]) * block;
         const int m = std::min(bs, seq_len - j * bs);
-        for (int h = 0; h < num_kv_heads; ++h) {
-            if (j + 1 < num_blocks)
-                prefetch_l2(v_cache + size_t(table[j + 1]) * block + h * head_block, head_block * 2);
+        for (int h = 0; h < num_kv_heads; ++h)
             for (int g0 = h * G; g0 < (h + 1) * G; g0 += TG)
                 tile(std::min(TG, (h + 1) * G - g0), [&](auto nt) {
                     constexpr int NT = std::min(int(decltype(nt)::value), TG);
                     pv_pairs<D, NT>(blk + h * head_block, (m + 1) / 2, m & 1, s + size_t(g0) * padded + j * bs,
-                                    padded, acc + size_t(g0) * D);
+                                    padded, acc + size_t(g0) * D,
+                                    g0 == h * G ? stream(num_blocks + j + ahead, h, 0) : nullptr);
                 });
-        }
     }
     store_heads<D>(acc, inv, H, out, part);
 }
