@@ -312,7 +312,7 @@ def test_grouped_rows_equal_each_row_under_its_own_adapter():
         for name, k in requests:
             if name is not None:
                 s = slots.slot_of[name]
-                want[row:row + k] += x[row:row + k] @ slots.a[0]["qkv"][s].T @ slots.b[0]["qkv"][s].T
+                want[row:row + k] += x[row:row + k] @ slots.a[0]["qkv"][s].T @ slots.b[0]["qkv"][s]
             row += k
         batch = slots.batch(names, q_lens)
         if batch is None:
