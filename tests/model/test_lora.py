@@ -12,6 +12,7 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
+from iterserve.model import cpu_paths
 from iterserve.model.loader import load_model_arch, load_weights
 from iterserve.sampling_params import SamplingParams
 from tests.model.test_llama import tiny_checkpoint
@@ -151,20 +152,35 @@ def test_prefix_cache_never_shares_blocks_across_adapters(tiny):
     assert engine.stats.num_prefix_hits > hits  # the same adapter: its blocks reused
 
 
-def test_steps_with_adapters_leave_the_c_decode_loop_and_base_steps_keep_it(tiny, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decodes_with_adapters_in_the_c_loop_give_the_python_loops_tokens_and_logprobs(tiny, monkeypatch, dtype):
+    """Decode steps of four adapters and the base mixed run their layers in one C call (cpu_decode.cpp adds each
+    row's adapter), wherever cpu_paths says the loop runs, with the Python loop's tokens and near its logprobs."""
     base, _, adapters = tiny
-    engine = tiny_engine(base, lora_modules=[f"a0={adapters['a0'][0]}"])
+    engine = tiny_engine(base, dtype=dtype, lora_modules=[f"{name}={path}" for name, (path, _) in adapters.items()])
     model = engine.executor.model
+    paths = cpu_paths.current()
+    if dtype == "bfloat16" and paths.default_dtype == "bfloat16":
+        assert (model.decode_layers is not None) == paths.decode_loop
     if model.decode_layers is None:
-        pytest.skip("the C decode loop does not run on this CPU build")
+        pytest.skip("the C decode loop does not run this dtype on this CPU build")
     calls = []
     real = type(model.decode_layers).__call__
-    monkeypatch.setattr(type(model.decode_layers), "__call__", lambda self, *a: calls.append(1) or real(self, *a))
-    run(engine, prompts(1), [None], n=4)
-    assert calls  # base decodes: the fast path
+    monkeypatch.setattr(type(model.decode_layers), "__call__",
+                        lambda self, *a: calls.append(a[-1] is not None) or real(self, *a))
+    names, ps = [*adapters, None], prompts(10, seed=13)
+    mix = [names[i % len(names)] for i in range(len(ps))]
+    in_c = run(engine, ps, mix, logprobs=1)
+    assert calls and all(calls)  # every decode step, adapters present, in C
     calls.clear()
-    run(engine, prompts(2), ["a0", None], n=4)
+    model.decode_layers = None
+    in_python = run(engine, ps, mix, logprobs=1)
     assert not calls
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.05, rtol=0.05)
+    for c, py in zip(in_c, in_python):
+        assert c.token_ids == py.token_ids
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in c.logprobs]),
+                                   torch.tensor([lp.logprob for lp in py.logprobs]), **tolerance)
 
 
 def test_load_and_unload_between_steps(tiny):
