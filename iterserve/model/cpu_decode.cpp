@@ -4,51 +4,12 @@
 // step is ~300 such calls, and each costs a few microseconds of Python and ctypes around it: ~20% of
 // the step. Only the pre-norm SiLU layer is here (no q/k norm, no output norms, no experts).
 // LoRA adapters (model/lora.py) are added after each linear here too, each row under its own slot.
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 
-#include "cpu_common.h"
+#include "cpu_lora.h"
 
 namespace {
-
-constexpr int kMaxLoraColumns = 1024;  // R = parts * max_rank of a fused linear (cpu_decode.py checks it)
-constexpr int64_t kLoraChunk = 256;  // output columns summed in registers at a time
-
-// y[i] += (x[i] A[s]^T) B[s] for each row i whose slot s = slots[i] is not -1: A [slots, rank, in],
-// B [slots, rank, out], the scale folded into B. x A^T is rounded to the model's dtype before the second
-// product and the sum added into y once, as the Python path's matmul and addmm do. The ranks are small:
-// plain loops that the compiler vectorizes, a row per thread.
-template <typename T>
-void lora_add(const T* x, int64_t in, T* y, int64_t out, const T* a, const T* b, int rank, const int32_t* slots,
-              int64_t m, int num_threads) {
-#pragma omp parallel for num_threads(int(std::min<int64_t>(num_threads, m))) schedule(static)
-    for (int64_t i = 0; i < m; ++i) {
-        if (slots[i] < 0) continue;
-        const T *xi = x + i * in, *as = a + slots[i] * rank * in, *bs = b + slots[i] * rank * out;
-        T* yi = y + i * out;
-        float u[kMaxLoraColumns];
-        for (int r = 0; r < rank; ++r) {
-            const T* ar = as + r * in;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t k = 0; k < in; ++k) acc += to_f32(xi[k]) * to_f32(ar[k]);
-            u[r] = round_trip<T>(acc);
-        }
-        for (int64_t j0 = 0; j0 < out; j0 += kLoraChunk) {
-            const int64_t n = std::min(kLoraChunk, out - j0);
-            float acc[kLoraChunk] = {};
-            for (int r = 0; r < rank; ++r) {
-                if (u[r] == 0.f) continue;  // an untargeted part's columns, or an empty slot
-                const T* br = bs + r * out + j0;
-                const float ur = u[r];
-#pragma omp simd
-                for (int64_t j = 0; j < n; ++j) acc[j] += ur * to_f32(br[j]);
-            }
-            for (int64_t j = 0; j < n; ++j) from_f32(to_f32(yi[j0 + j]) + acc[j], yi + j0 + j);
-        }
-    }
-}
 
 // The parts of a layer, in cpu_decode.py's PARTS order.
 enum Part { kNorm, kQkv, kRope, kWriteKv, kAttention, kO, kGateUp, kSiluMul, kDown };
@@ -122,28 +83,29 @@ struct DecodeStep {
     void* act;
     double* part_seconds;  // or null: the seconds each Part took, added up (benchmarks/step_time.py --parts)
     // LoRA (or lora_slots null): per layer and fused linear (qkv, o, gate_up, down) the stacked A and B
-    // (lora.py's layout), at [4 * layer + linear]; each row's slot, -1 for the base; each linear's R
+    // (model/lora.py's layout), at [4 * layer + linear]; each row's slot, -1 for the base; the slots' rank
     const void* const* lora_a;
     const void* const* lora_b;
     const int32_t* lora_slots;
-    int lora_ranks[4];
+    int lora_rank;
 };
 
 enum LoraLinear { kLoraQkv, kLoraO, kLoraGateUp, kLoraDown };
 
-// The step's adapters' delta on a linear's output y from its input x (nothing without LoRA).
+// The step's adapters' delta on a linear's output y from its input x (nothing without LoRA); widths: the
+// linear's parts' output widths (q, k, v; gate, up; one for o and down).
 static void add_lora(const DecodeStep* s, int layer, LoraLinear linear, const void* x, int64_t in, void* y,
-                     int64_t out) {
+                     std::initializer_list<int64_t> widths) {
     if (!s->lora_slots) return;
-    const int at = 4 * layer + linear, rank = s->lora_ranks[linear];
+    const int at = 4 * layer + linear, parts = int(widths.size());
     if (s->dtype == 0)
-        lora_add(static_cast<const float*>(x), in, static_cast<float*>(y), out,
-                 static_cast<const float*>(s->lora_a[at]), static_cast<const float*>(s->lora_b[at]), rank,
+        lora_add(static_cast<const float*>(x), in, static_cast<float*>(y), widths.begin(), parts,
+                 static_cast<const float*>(s->lora_a[at]), static_cast<const float*>(s->lora_b[at]), s->lora_rank,
                  s->lora_slots, s->rows, s->num_threads);
     else
-        lora_add(static_cast<const uint16_t*>(x), in, static_cast<uint16_t*>(y), out,
-                 static_cast<const uint16_t*>(s->lora_a[at]), static_cast<const uint16_t*>(s->lora_b[at]), rank,
-                 s->lora_slots, s->rows, s->num_threads);
+        lora_add(static_cast<const uint16_t*>(x), in, static_cast<uint16_t*>(y), widths.begin(), parts,
+                 static_cast<const uint16_t*>(s->lora_a[at]), static_cast<const uint16_t*>(s->lora_b[at]),
+                 s->lora_rank, s->lora_slots, s->rows, s->num_threads);
 }
 
 // Returns 0, or the first nonzero code a kernel returned (the step's outputs are then undefined).
@@ -165,7 +127,7 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
         timed(t, kQkv, [&] {
             rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.qkv, l.qkv_bias, qkv, m, qkv_size, s->hidden,
                             s->num_threads);
-            add_lora(s, i, kLoraQkv, s->h, s->hidden, qkv, qkv_size);
+            add_lora(s, i, kLoraQkv, s->h, s->hidden, qkv, {q_size, kv_size, kv_size});
         });
         timed(t, kRope, [&] {
             s->rope(s->dtype, qkv, m, qkv_size, s->heads + s->kv_heads, s->head_dim, l.cos, l.sin, s->positions);
@@ -193,19 +155,19 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
         timed(t, kO, [&] {
             rc |= s->linear(s->linear_dtype, s->attn, q_size, l.o, nullptr, s->delta, m, s->hidden, q_size,
                             s->num_threads);
-            add_lora(s, i, kLoraO, s->attn, q_size, s->delta, s->hidden);
+            add_lora(s, i, kLoraO, s->attn, q_size, s->delta, {s->hidden});
         });
         timed(t, kNorm, [&] { s->rms_norm(s->dtype, s->delta, s->x, l.mlp_norm, s->h, m, s->hidden, s->eps); });
         timed(t, kGateUp, [&] {
             rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.gate_up, nullptr, s->gate_up, m, 2 * s->intermediate,
                             s->hidden, s->num_threads);
-            add_lora(s, i, kLoraGateUp, s->h, s->hidden, s->gate_up, 2 * s->intermediate);
+            add_lora(s, i, kLoraGateUp, s->h, s->hidden, s->gate_up, {s->intermediate, s->intermediate});
         });
         timed(t, kSiluMul, [&] { s->silu_mul(s->dtype, s->gate_up, s->act, m, s->intermediate); });
         timed(t, kDown, [&] {
             rc |= s->linear(s->linear_dtype, s->act, s->intermediate, l.down, nullptr, s->delta, m, s->hidden,
                             s->intermediate, s->num_threads);
-            add_lora(s, i, kLoraDown, s->act, s->intermediate, s->delta, s->hidden);
+            add_lora(s, i, kLoraDown, s->act, s->intermediate, s->delta, {s->hidden});
         });
     }
     return rc;

@@ -30,7 +30,7 @@ from iterserve.model.quant import kernel_panels
 
 SOURCE = cpu_build.DECODE_SOURCE
 LORA_LINEARS = ("qkv", "o", "gate_up", "down")  # cpu_decode.cpp's LoraLinear order
-MAX_LORA_COLUMNS = 1024  # its kMaxLoraColumns: a fused linear's parts * max_rank
+MAX_LORA_COLUMNS = 1024  # cpu_lora.h's kMaxLoraColumns: a fused linear's parts * max_rank
 # What cpu_decode.cpp can time, per layer and in its Part order: both norms are "norm".
 PARTS = ("norm", "qkv", "rope", "write_kv", "attention", "o", "gate_up", "silu_mul", "down")
 
@@ -50,7 +50,7 @@ class _Step(ctypes.Structure):
                 + [("kv_cache", _p), ("layer_bytes", _i64), ("v_offset", _i64), ("positions", _p),
                    ("slot_mapping", _p), ("block_tables", _p), ("table_stride", _i64), ("seq_lens", _p)]
                 + [(name, _p) for name in ("x", "delta", "h", "qkv", "attn", "gate_up", "act", "part_seconds")]
-                + [(name, _p) for name in ("lora_a", "lora_b", "lora_slots")] + [("lora_ranks", _i32 * 4)])
+                + [(name, _p) for name in ("lora_a", "lora_b", "lora_slots")] + [("lora_rank", _i32)])
 
 
 @functools.cache
@@ -132,9 +132,9 @@ class DecodeLayers:
 
     def _lora_args(self, lora) -> tuple:
         """_Step's LoRA fields for the step's adapters: the stacks' addresses (the slots' tensors are
-        allocated once and loaded in place, so taken once), each row's slot and each linear's R."""
+        allocated once and loaded in place, so taken once), each row's slot and the slots' rank."""
         if lora is None:
-            return None, None, None, (_i32 * 4)()
+            return None, None, None, 0
         slots = lora.slots
         if self._lora is None or self._lora[0] is not slots:
             n = 4 * len(slots.a)
@@ -142,8 +142,7 @@ class DecodeLayers:
             b = (_p * n)(*[layer[f].data_ptr() for layer in slots.b for f in LORA_LINEARS])
             self._lora = slots, a, b
         _, a, b = self._lora
-        ranks = (_i32 * 4)(*[slots.a[0][f].shape[1] for f in LORA_LINEARS])
-        return ctypes.addressof(a), ctypes.addressof(b), lora.row_slots.ctypes.data, ranks
+        return ctypes.addressof(a), ctypes.addressof(b), lora.row_slots.ctypes.data, slots.max_rank
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  plan, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
