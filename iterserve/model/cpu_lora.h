@@ -12,16 +12,45 @@ namespace {
 
 constexpr int kMaxLoraColumns = 1024;  // a fused linear's parts * max_rank (cpu_decode.py checks it)
 
-template <typename T> inline float lora_dot(const T* x, const T* a, int64_t n) {
-    int64_t k = 0;
-    float sum = 0.f;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; k + 16 <= n; k += 16) acc = _mm512_fmadd_ps(load16(x + k), load16(a + k), acc);
-    sum = _mm512_reduce_add_ps(acc);
+// u[r] = x . a[r * n + 0:n] for r < rows, each rounded to T. Four rows at a time share x's loads and
+// keep four sums in flight.
+template <typename T> inline void lora_dots(const T* x, const T* a, int64_t n, int rows, float* u) {
+    int r = 0;
+#if defined(__AVX512BF16__)
+    if constexpr (sizeof(T) == 2) {  // bfloat16 pairs multiplied and summed in one instruction
+        for (; r + 4 <= rows; r += 4) {
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t k = 0; k < n; k += 32) {
+                const __mmask32 live = n - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - k)) - 1;
+                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(live, x + k);
+                for (int q = 0; q < 4; ++q)
+                    acc[q] = _mm512_dpbf16_ps(acc[q], xv, (__m512bh)_mm512_maskz_loadu_epi16(live, a + (r + q) * n + k));
+            }
+            for (int q = 0; q < 4; ++q) u[r + q] = round_trip<T>(_mm512_reduce_add_ps(acc[q]));
+        }
+    }
 #endif
-    for (; k < n; ++k) sum += to_f32(x[k]) * to_f32(a[k]);
-    return sum;
+#if defined(__AVX512F__)
+    for (; r + 4 <= rows; r += 4) {
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        int64_t k = 0;
+        for (; k + 16 <= n; k += 16) {
+            const __m512 xv = load16(x + k);
+            for (int q = 0; q < 4; ++q) acc[q] = _mm512_fmadd_ps(xv, load16(a + (r + q) * n + k), acc[q]);
+        }
+        for (int q = 0; q < 4; ++q) {
+            float sum = _mm512_reduce_add_ps(acc[q]);
+            for (int64_t j = k; j < n; ++j) sum += to_f32(x[j]) * to_f32(a[(r + q) * n + j]);
+            u[r + q] = round_trip<T>(sum);
+        }
+    }
+#endif
+    for (; r < rows; ++r) {
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t k = 0; k < n; ++k) sum += to_f32(x[k]) * to_f32(a[r * n + k]);
+        u[r] = round_trip<T>(sum);
+    }
 }
 
 // y[0:n] += sum over r of u[r] * b[r * stride + 0:n], summed in float32 and rounded once.
@@ -60,7 +89,7 @@ void lora_add(const T* x, int64_t in, T* y, const int64_t* widths, int parts, co
         if (slots[i] < 0) continue;
         const T *xi = x + i * in, *as = a + int64_t(slots[i]) * cols * in, *bs = b + int64_t(slots[i]) * cols * out;
         float u[kMaxLoraColumns];
-        for (int r = 0; r < cols; ++r) u[r] = round_trip<T>(lora_dot(xi, as + r * in, in));
+        lora_dots(xi, as, in, cols, u);
         int64_t lo = 0;
         for (int p = 0; p < parts; ++p) {
             lora_axpys(u + p * rank, bs + p * rank * out + lo, out, rank, y + i * out + lo, widths[p]);
