@@ -23,8 +23,10 @@ template <typename T> inline void lora_dots(const T* x, const T* a, int64_t n, i
             for (int64_t k = 0; k < n; k += 32) {
                 const __mmask32 live = n - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (n - k)) - 1;
                 const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(live, x + k);
-                for (int q = 0; q < 4; ++q)
-                    acc[q] = _mm512_dpbf16_ps(acc[q], xv, (__m512bh)_mm512_maskz_loadu_epi16(live, a + (r + q) * n + k));
+                for (int q = 0; q < 4; ++q) {
+                    const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(live, a + (r + q) * n + k);
+                    acc[q] = _mm512_dpbf16_ps(acc[q], xv, av);
+                }
             }
             for (int q = 0; q < 4; ++q) u[r + q] = round_trip<T>(_mm512_reduce_add_ps(acc[q]));
         }

@@ -158,17 +158,38 @@ def test_decodes_with_adapters_in_the_c_loop_give_the_python_loops_tokens_and_lo
     row's adapter), wherever cpu_paths says the loop runs, with the Python loop's tokens and near its logprobs."""
     base, _, adapters = tiny
     engine = tiny_engine(base, dtype=dtype, lora_modules=[f"{name}={path}" for name, (path, _) in adapters.items()])
-    model = engine.executor.model
     paths = cpu_paths.current()
     if dtype == "bfloat16" and paths.default_dtype == "bfloat16":
-        assert (model.decode_layers is not None) == paths.decode_loop
+        assert (engine.executor.model.decode_layers is not None) == paths.decode_loop
+    check_c_loop_against_python(engine, [*adapters, None], monkeypatch, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_c_loops_lora_on_widths_and_ranks_off_its_vector_lengths(tmp_path, monkeypatch, dtype):
+    """Input and output widths that are no multiple of the kernel's 16, 32 or 64 lanes and a rank no multiple
+    of its four rows at a time: every tail of cpu_lora.h, against the Python loop."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=2,
+                                      head_dim=16, num_key_value_heads=1, vocab_size=128, rms_norm_eps=1e-6)).eval()
+    hf.save_pretrained(tmp_path / "base")
+    for i in range(2):
+        make_adapter(hf, str(tmp_path / f"r{i}"), seed=i, r=3)
+    engine = tiny_engine(str(tmp_path / "base"), dtype=dtype, max_lora_rank=3,
+                         lora_modules=[f"r{i}={tmp_path / f'r{i}'}" for i in range(2)])
+    check_c_loop_against_python(engine, ["r0", None, "r1"], monkeypatch, dtype)
+
+
+def check_c_loop_against_python(engine: Engine, names: list[str | None], monkeypatch, dtype: str) -> None:
+    """The adapters (and the base) mixed over ten requests: every decode step in C, then all in the Python loop."""
+    model = engine.executor.model
     if model.decode_layers is None:
         pytest.skip("the C decode loop does not run this dtype on this CPU build")
     calls = []
     real = type(model.decode_layers).__call__
     monkeypatch.setattr(type(model.decode_layers), "__call__",
                         lambda self, *a: calls.append(a[-1] is not None) or real(self, *a))
-    names, ps = [*adapters, None], prompts(10, seed=13)
+    ps = prompts(10, seed=13)
     mix = [names[i % len(names)] for i in range(len(ps))]
     in_c = run(engine, ps, mix, logprobs=1)
     assert calls and all(calls)  # every decode step, adapters present, in C
@@ -178,9 +199,12 @@ def test_decodes_with_adapters_in_the_c_loop_give_the_python_loops_tokens_and_lo
     assert not calls
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.05, rtol=0.05)
     for c, py in zip(in_c, in_python):
-        assert c.token_ids == py.token_ids
-        torch.testing.assert_close(torch.tensor([lp.logprob for lp in c.logprobs]),
-                                   torch.tensor([lp.logprob for lp in py.logprobs]), **tolerance)
+        # equal tokens; in bfloat16 up to a near-tie of a tiny random model's flat logits, where each side's
+        # token is its own top with the other's logprob (the rest of the run then differs by design)
+        n = next((i for i, (a, b) in enumerate(zip(c.token_ids, py.token_ids)) if a != b), len(c.token_ids))
+        assert n == len(c.token_ids) or dtype == "bfloat16"
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in c.logprobs[:n + 1]]),
+                                   torch.tensor([lp.logprob for lp in py.logprobs[:n + 1]]), **tolerance)
 
 
 def test_load_and_unload_between_steps(tiny):
