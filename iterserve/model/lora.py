@@ -8,7 +8,7 @@ is folded into B. A step's delta is one op pair per linear whatever the adapters
 BGMV as two dense matmuls): x @ A_all^T over every slot at once [T, slots * R], each row's columns
 of other slots zeroed by a mask built once per step, then @ B_all [slots * R, out] added into y. The
 ranks are small, so the other slots' flops cost less than a loop over groups of rows would in calls.
-The C decode loop (cpu_decode.py) reads the same stacks, per row by its slot index.
+The C decode loop (cpu_decode.py, cpu_lora.h) reads the same stacks, per row by its slot index.
 An untargeted module's part stays zero: it adds nothing.
 """
 from __future__ import annotations
