@@ -1,12 +1,13 @@
 """Multi-LoRA throughput: the same requests on the base model alone, then spread over N adapters in one batch.
 
     python benchmarks/lora.py [--model PATH] [--requests 32] [--adapters 4] [--rank 8] [--prompt-len 128]
-                              [--max-tokens 64] [--dtype auto]
+                              [--max-tokens 64] [--dtype auto] [--num-threads N]
 
 Random rank-r adapters on all seven projections are written as PEFT directories and loaded into the
 runner's slots. Both runs are greedy with ignore_eos, so they generate the same number of tokens; the
-adapters' run pays for the grouped LoRA matmuls and leaves the C decode loop and CUDA graphs
-(model/lora.py). Prints output tok/s of each and their ratio, with the command that produced them.
+adapters' run pays for the LoRA deltas (model/lora.py: an op pair per linear in the Python loop, per-row
+loops inside the C decode loop) and leaves CUDA graphs. Prints output tok/s of each and their ratio,
+with the command that produced them.
 """
 from __future__ import annotations
 
@@ -68,9 +69,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-threads", type=int, default=None, help="default: all cores")
     args = ap.parse_args()
     config = EngineConfig(model=args.model, dtype=args.dtype, max_loras=args.adapters, max_lora_rank=args.rank,
-                          max_num_seqs=args.requests, enable_prefix_caching=False)
+                          max_num_seqs=args.requests, enable_prefix_caching=False,
+                          num_threads=args.num_threads)
     runner = ModelRunner(config)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, runner.vocab_size, (args.prompt_len,), generator=g).tolist()

@@ -3,8 +3,11 @@
 // here taken as function pointers, in the same order and with the same arguments. At one sequence a
 // step is ~300 such calls, and each costs a few microseconds of Python and ctypes around it: ~20% of
 // the step. Only the pre-norm SiLU layer is here (no q/k norm, no output norms, no experts).
+// LoRA adapters (model/lora.py) are added after each linear here too, each row under its own slot.
 #include <chrono>
 #include <cstdint>
+
+#include "cpu_lora.h"
 
 namespace {
 
@@ -79,7 +82,31 @@ struct DecodeStep {
     void* gate_up;
     void* act;
     double* part_seconds;  // or null: the seconds each Part took, added up (benchmarks/step_time.py --parts)
+    // LoRA (or lora_slots null): per layer and fused linear (qkv, o, gate_up, down) the stacked A and B
+    // (model/lora.py's layout), at [4 * layer + linear]; each row's slot, -1 for the base; the slots' rank
+    const void* const* lora_a;
+    const void* const* lora_b;
+    const int32_t* lora_slots;
+    int lora_rank;
 };
+
+enum LoraLinear { kLoraQkv, kLoraO, kLoraGateUp, kLoraDown };
+
+// The step's adapters' delta on a linear's output y from its input x (nothing without LoRA); widths: the
+// linear's parts' output widths (q, k, v; gate, up; one for o and down).
+static void add_lora(const DecodeStep* s, int layer, LoraLinear linear, const void* x, int64_t in, void* y,
+                     std::initializer_list<int64_t> widths) {
+    if (!s->lora_slots) return;
+    const int at = 4 * layer + linear, parts = int(widths.size());
+    if (s->dtype == 0)
+        lora_add(static_cast<const float*>(x), in, static_cast<float*>(y), widths.begin(), parts,
+                 static_cast<const float*>(s->lora_a[at]), static_cast<const float*>(s->lora_b[at]), s->lora_rank,
+                 s->lora_slots, s->rows, s->num_threads);
+    else
+        lora_add(static_cast<const uint16_t*>(x), in, static_cast<uint16_t*>(y), widths.begin(), parts,
+                 static_cast<const uint16_t*>(s->lora_a[at]), static_cast<const uint16_t*>(s->lora_b[at]),
+                 s->lora_rank, s->lora_slots, s->rows, s->num_threads);
+}
 
 // Returns 0, or the first nonzero code a kernel returned (the step's outputs are then undefined).
 int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int num_layers) {
@@ -100,6 +127,7 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
         timed(t, kQkv, [&] {
             rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.qkv, l.qkv_bias, qkv, m, qkv_size, s->hidden,
                             s->num_threads);
+            add_lora(s, i, kLoraQkv, s->h, s->hidden, qkv, {q_size, kv_size, kv_size});
         });
         timed(t, kRope, [&] {
             s->rope(s->dtype, qkv, m, qkv_size, s->heads + s->kv_heads, s->head_dim, l.cos, l.sin, s->positions);
@@ -127,16 +155,19 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
         timed(t, kO, [&] {
             rc |= s->linear(s->linear_dtype, s->attn, q_size, l.o, nullptr, s->delta, m, s->hidden, q_size,
                             s->num_threads);
+            add_lora(s, i, kLoraO, s->attn, q_size, s->delta, {s->hidden});
         });
         timed(t, kNorm, [&] { s->rms_norm(s->dtype, s->delta, s->x, l.mlp_norm, s->h, m, s->hidden, s->eps); });
         timed(t, kGateUp, [&] {
             rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.gate_up, nullptr, s->gate_up, m, 2 * s->intermediate,
                             s->hidden, s->num_threads);
+            add_lora(s, i, kLoraGateUp, s->h, s->hidden, s->gate_up, {s->intermediate, s->intermediate});
         });
         timed(t, kSiluMul, [&] { s->silu_mul(s->dtype, s->gate_up, s->act, m, s->intermediate); });
         timed(t, kDown, [&] {
             rc |= s->linear(s->linear_dtype, s->act, s->intermediate, l.down, nullptr, s->delta, m, s->hidden,
                             s->intermediate, s->num_threads);
+            add_lora(s, i, kLoraDown, s->act, s->intermediate, s->delta, {s->hidden});
         });
     }
     return rc;

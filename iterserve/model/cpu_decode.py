@@ -10,13 +10,16 @@ It takes the layers the Python loop runs with the C kernels and nothing else: pr
 q/k norms, no output norms, no experts, every linear in the C kernel's panels, the K/V cache in the
 arithmetic's dtype, in bfloat16 under float32 arithmetic (bf16 storage) or in int8, a decode-only
 step through the paged decode kernel, no tensor parallelism. DecodeLayers.build says None for anything
-else, and the model keeps its Python loop.
+else, and the model keeps its Python loop. A step with LoRA adapters runs here too: after each linear
+cpu_decode.cpp adds each row's own adapter's delta from the slots' stacks (model/lora.py), so decodes
+under adapters keep the one call.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 
+import numpy as np
 import torch
 
 from iterserve.model import cpu_build, cpu_kernels
@@ -26,6 +29,8 @@ from iterserve.model.cpu_kernels import DTYPES
 from iterserve.model.quant import kernel_panels
 
 SOURCE = cpu_build.DECODE_SOURCE
+LORA_LINEARS = ("qkv", "o", "gate_up", "down")  # cpu_decode.cpp's LoraLinear order
+MAX_LORA_COLUMNS = 1024  # cpu_lora.h's kMaxLoraColumns: a fused linear's parts * max_rank
 # What cpu_decode.cpp can time, per layer and in its Part order: both norms are "norm".
 PARTS = ("norm", "qkv", "rope", "write_kv", "attention", "o", "gate_up", "silu_mul", "down")
 
@@ -44,7 +49,8 @@ class _Step(ctypes.Structure):
                 + [(name, _f32) for name in ("eps", "scale", "softcap")]
                 + [("kv_cache", _p), ("layer_bytes", _i64), ("v_offset", _i64), ("positions", _p),
                    ("slot_mapping", _p), ("block_tables", _p), ("table_stride", _i64), ("seq_lens", _p)]
-                + [(name, _p) for name in ("x", "delta", "h", "qkv", "attn", "gate_up", "act", "part_seconds")])
+                + [(name, _p) for name in ("x", "delta", "h", "qkv", "attn", "gate_up", "act", "part_seconds")]
+                + [(name, _p) for name in ("lora_a", "lora_b", "lora_slots")] + [("lora_rank", _i32)])
 
 
 @functools.cache
@@ -76,6 +82,7 @@ class DecodeLayers:
             for l in layers])
         self.intermediate = layers[0].gate_up.shape[0] // 2
         self.part_seconds = None  # see time_parts
+        self._lora = None  # (the LoRASlots, A's and B's addresses per layer and linear), taken on first use
         self.linear_dtype = linear_dtype
         ops = cpu_kernels.elementwise_ops()
         self.fns = {"rms_norm": _address(ops.rms_norm), "linear": _address(cpu_kernels.linear_kernel()),
@@ -116,14 +123,32 @@ class DecodeLayers:
         """Seconds per part summed since time_parts()."""
         return dict(zip(PARTS, self.part_seconds or [0.0] * len(PARTS)))
 
-    def runs(self, plan, kv_cache: torch.Tensor) -> bool:
-        """Whether this step is one it runs: decode rows only, through the paged kernel, a cache it reads."""
+    def runs(self, plan, kv_cache: torch.Tensor, lora=None) -> bool:
+        """Whether this step is one it runs: decode rows only, through the paged kernel, a cache it reads,
+        LoRA adapters (a lora.LoRABatch) of ranks it holds."""
         return plan.decode_all and plan.decode_tables is not None and kv_cache.is_contiguous() and \
-            kv_cache.dtype in (self.dtype, torch.int8, torch.bfloat16)
+            kv_cache.dtype in (self.dtype, torch.int8, torch.bfloat16) and \
+            (lora is None or 3 * lora.slots.max_rank <= MAX_LORA_COLUMNS)
+
+    def _lora_args(self, lora) -> tuple:
+        """_Step's LoRA fields for the step's adapters: the stacks' addresses (the slots' tensors are
+        allocated once and loaded in place, so taken once), each row's slot and the slots' rank."""
+        if lora is None:
+            return None, None, None, 0
+        slots = lora.slots
+        if self._lora is None or self._lora[0] is not slots:
+            n = 4 * len(slots.a)
+            a = (_p * n)(*[layer[f].data_ptr() for layer in slots.a for f in LORA_LINEARS])
+            b = (_p * n)(*[layer[f].data_ptr() for layer in slots.b for f in LORA_LINEARS])
+            self._lora = slots, a, b
+        _, a, b = self._lora
+        return ctypes.addressof(a), ctypes.addressof(b), lora.row_slots.ctypes.data, slots.max_rank
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                 plan) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, hidden] (the embedded tokens, updated in place) -> (x, delta) as the Python loop leaves them."""
+                 plan, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, hidden] (the embedded tokens, updated in place) -> (x, delta) as the Python loop leaves them.
+        lora: the step's adapters by rows (lora.LoRABatch), or None."""
+        assert lora is None or lora.row_slots.dtype == np.int32 and lora.row_slots.shape == (x.shape[0],)
         m, cfg = x.shape[0], self.model.cfg
         q_size, kv_size = self.model.q_size, self.model.kv_size
         empty = lambda n: torch.empty(m, n, dtype=self.dtype)  # noqa: E731
@@ -145,7 +170,8 @@ class DecodeLayers:
                      kv_cache.stride(1) * size, positions.data_ptr(), plan.slot_mapping.data_ptr(), tables.data_ptr(),
                      tables.stride(0), plan.decode_seq_lens.data_ptr(), x.data_ptr(), delta.data_ptr(), h.data_ptr(),
                      qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-                     None if self.part_seconds is None else ctypes.addressof(self.part_seconds))
+                     None if self.part_seconds is None else ctypes.addressof(self.part_seconds),
+                     *self._lora_args(lora))
         rc = self.kernel(ctypes.byref(step), self.layers, len(self.layers))
         if rc != 0:
             raise ValueError(f"decode layers: a kernel declined (code {rc})")

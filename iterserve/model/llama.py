@@ -225,9 +225,8 @@ class LlamaModel:
         x, delta = self._embed(input_ids), None
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        # the C decode loop runs the base weights only: a step with adapters takes the layers here
-        if lora is None and self.decode_layers is not None and self.decode_layers.runs(plan, kv_cache):
-            x, delta = self.decode_layers(x, positions, kv_cache, plan)
+        if self.decode_layers is not None and self.decode_layers.runs(plan, kv_cache, lora):
+            x, delta = self.decode_layers(x, positions, kv_cache, plan, lora)
         else:
             for i, layer in enumerate(self.layers):
                 layer_lora = None if lora is None else lora.layer(i)

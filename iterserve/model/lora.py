@@ -1,11 +1,14 @@
-"""Multi-LoRA serving: PEFT adapters read from disk, held in resident slots, applied per group of rows.
+"""Multi-LoRA serving: PEFT adapters read from disk, held in resident slots, applied to each row by its slot.
 
 For each adapted linear y = x W^T + scale * (x A^T) B^T (PEFT's LoRA). The model runs q/k/v and
 gate/up as one fused matmul each, so their adapters are stacked the same way: per layer and fused
-linear, A [slots, parts * max_rank, in] and B [slots, out, parts * max_rank], part j's rank rows at
-j * max_rank and its output rows where the fused weight has them (B is block diagonal). The scale
-is folded into B, so a step's delta is two small matmuls per adapter present (S-LoRA / punica's
-grouping, in torch ops): the rows of one adapter are gathered, multiplied, and added back.
+linear, A [slots, R, in] and B [slots, R, out] with R = parts * max_rank, part j's rank rows at
+j * max_rank and its output columns where the fused weight has them (B is block diagonal). The scale
+is folded into B. A step's delta is one op pair per linear whatever the adapters present (punica's
+BGMV as two dense matmuls): x @ A_all^T over every slot at once [T, slots * R], each row's columns
+of other slots zeroed by a mask built once per step, then @ B_all [slots * R, out] added into y. The
+ranks are small, so the other slots' flops cost less than a loop over groups of rows would in calls.
+The C decode loop (cpu_decode.py, cpu_lora.h) reads the same stacks, per row by its slot index.
 An untargeted module's part stays zero: it adds nothing.
 """
 from __future__ import annotations
@@ -153,7 +156,9 @@ class LoRASlots:
         # name -> path, replaced whole on each change, never edited: other threads read it (the HTTP routes)
         self.paths: dict[str, str] = {}
         self.a: list[dict[str, torch.Tensor]] | None = None  # per layer: fused name -> [slots, R, in]
-        self.b: list[dict[str, torch.Tensor]] | None = None  # per layer: fused name -> [slots, out, R]
+        self.b: list[dict[str, torch.Tensor]] | None = None  # per layer: fused name -> [slots, R, out]
+        # slot (None: all of them) -> per layer: fused name -> (A, B) as LayerLoRA multiplies them, made once
+        self._views: dict[int | None, list[dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     @classmethod
     def build(cls, model, model_config, tp) -> LoRASlots | None:
@@ -195,6 +200,13 @@ class LoRASlots:
         self.paths = {k: v for k, v in self.paths.items() if k != name}
         self._clear(slot)
 
+    def views(self, slot: int | None) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Per layer, each fused linear's (A [K, in], B [K, out]): one slot's, or every slot's stacked."""
+        if slot not in self._views:
+            pick = (lambda t: t.flatten(0, 1)) if slot is None else (lambda t: t[slot])  # noqa: E731
+            self._views[slot] = [{f: (pick(a[f]), pick(b[f])) for f in a} for a, b in zip(self.a, self.b)]
+        return self._views[slot]
+
     def _clear(self, slot: int) -> None:
         for layer_a, layer_b in zip(self.a, self.b):
             for fused in layer_a:
@@ -222,7 +234,7 @@ class LoRASlots:
         n, r = self.max_loras, self.max_rank
         self.a = [{f: zeros(n, len(s.parts) * r, s.in_features) for f, s in self.shapes.items()}
                   for _ in range(self.num_layers)]
-        self.b = [{f: zeros(n, sum(s.parts), len(s.parts) * r) for f, s in self.shapes.items()}
+        self.b = [{f: zeros(n, len(s.parts) * r, sum(s.parts)) for f, s in self.shapes.items()}
                   for _ in range(self.num_layers)]
 
     def _install(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -233,44 +245,46 @@ class LoRASlots:
             out = sum(self.shapes[fused].parts[:part])
             b = b * self.out_scale.get(fused, 1.0)
             self.a[layer][fused][slot, lo:lo + r] = a.to(self.device, self.dtype)
-            self.b[layer][fused][slot, out:out + b.shape[0], lo:lo + r] = b.to(self.device, self.dtype)
+            self.b[layer][fused][slot, lo:lo + r, out:out + b.shape[0]] = b.T.to(self.device, self.dtype)
 
     def batch(self, names: list[str | None], q_lens: list[int]) -> LoRABatch | None:
-        """The step's grouping: request i's q_lens[i] rows run under adapter names[i] (None: the base).
+        """The step's rows by slot: request i's q_lens[i] rows run under adapter names[i] (None: the base).
         None when no request of the step has an adapter (the fast paths stay open)."""
         if all(n is None for n in names):
             return None
-        slots = np.fromiter((-1 if n is None else self.slot_of[n] for n in names), np.int64, len(names))
-        token_slots = np.repeat(slots, q_lens)  # the per-token slot index
-        present = np.unique(slots[slots >= 0]).tolist()
-        if len(present) == 1 and (slots == present[0]).all():
-            return LoRABatch(self, [(present[0], None)])
-        groups = [(s, torch.from_numpy(np.flatnonzero(token_slots == s)).to(self.device)) for s in present]
-        return LoRABatch(self, groups)
+        slots = np.fromiter((-1 if n is None else self.slot_of[n] for n in names), np.int32, len(names))
+        token_slots = np.repeat(slots, q_lens)  # the per-row slot index, -1 for the base
+        if (slots == slots[0]).all():  # one adapter for every row: its own slices, no mask
+            return LoRABatch(self, token_slots, int(slots[0]), None)
+        mask = token_slots[:, None] == np.arange(self.max_loras, dtype=np.int32)[None, :]
+        mask = torch.from_numpy(mask[:, :, None]).to(self.device, self.dtype)  # [T, slots, 1]
+        return LoRABatch(self, token_slots, None, mask)
 
 
 @dataclass(slots=True)
 class LoRABatch:
-    """One step's adapters: (slot, the rows that run under it; None: every row), a group per adapter present."""
+    """One step's adapters: each row's slot (-1: the base), and either the one slot every row runs under
+    or the mask [T, slots, 1] that keeps each row's own slot's columns."""
     slots: LoRASlots
-    groups: list[tuple[int, torch.Tensor | None]]
+    row_slots: np.ndarray  # int32 [T]
+    slot: int | None
+    mask: torch.Tensor | None
 
     def layer(self, i: int) -> LayerLoRA:
-        return LayerLoRA(self.slots.a[i], self.slots.b[i], self.groups)
+        return LayerLoRA(self.slots.views(self.slot)[i], self.mask)
 
 
 @dataclass(slots=True)
 class LayerLoRA:
-    """One layer's stacked adapters (fused name -> A, B) under the step's grouping."""
-    a: dict[str, torch.Tensor]
-    b: dict[str, torch.Tensor]
-    groups: list[tuple[int, torch.Tensor | None]]
+    """One layer's adapters as this step applies them: fused name -> (A [K, in], B [K, out]), K the columns of
+    one slot or of all, and the mask of each row's slot (None: one slot)."""
+    ab: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    mask: torch.Tensor | None
 
     def add(self, y: torch.Tensor, x: torch.Tensor, fused: str) -> None:
         """y += scale * (x A^T) B^T in place, each row under its own adapter (none for base rows)."""
-        a, b = self.a[fused], self.b[fused]
-        for slot, rows in self.groups:
-            if rows is None:
-                y += (x @ a[slot].T) @ b[slot].T
-            else:
-                y.index_add_(0, rows, ((x.index_select(0, rows) @ a[slot].T) @ b[slot].T).to(y.dtype))
+        a, b = self.ab[fused]
+        u = x @ a.T
+        if self.mask is not None:
+            u.view(u.shape[0], self.mask.shape[1], -1).mul_(self.mask)
+        y.addmm_(u, b)

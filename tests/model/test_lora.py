@@ -12,6 +12,7 @@ import torch
 from iterserve.config import EngineConfig
 from iterserve.engine import Engine
 from iterserve.executor.model_runner import ModelRunner
+from iterserve.model import cpu_paths
 from iterserve.model.loader import load_model_arch, load_weights
 from iterserve.sampling_params import SamplingParams
 from tests.model.test_llama import tiny_checkpoint
@@ -151,20 +152,59 @@ def test_prefix_cache_never_shares_blocks_across_adapters(tiny):
     assert engine.stats.num_prefix_hits > hits  # the same adapter: its blocks reused
 
 
-def test_steps_with_adapters_leave_the_c_decode_loop_and_base_steps_keep_it(tiny, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decodes_with_adapters_in_the_c_loop_give_the_python_loops_tokens_and_logprobs(tiny, monkeypatch, dtype):
+    """Decode steps of four adapters and the base mixed run their layers in one C call (cpu_decode.cpp adds each
+    row's adapter), wherever cpu_paths says the loop runs, with the Python loop's tokens and near its logprobs."""
     base, _, adapters = tiny
-    engine = tiny_engine(base, lora_modules=[f"a0={adapters['a0'][0]}"])
+    engine = tiny_engine(base, dtype=dtype, lora_modules=[f"{name}={path}" for name, (path, _) in adapters.items()])
+    paths = cpu_paths.current()
+    if dtype == "bfloat16" and paths.default_dtype == "bfloat16":
+        assert (engine.executor.model.decode_layers is not None) == paths.decode_loop
+    check_c_loop_against_python(engine, [*adapters, None], monkeypatch, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_c_loops_lora_on_widths_and_ranks_off_its_vector_lengths(tmp_path, monkeypatch, dtype):
+    """Input and output widths that are no multiple of the kernel's 16, 32 or 64 lanes and a rank no multiple
+    of its four rows at a time: every tail of cpu_lora.h, against the Python loop."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(hidden_size=40, intermediate_size=72, num_hidden_layers=2, num_attention_heads=2,
+                                      head_dim=16, num_key_value_heads=1, vocab_size=128, rms_norm_eps=1e-6)).eval()
+    hf.save_pretrained(tmp_path / "base")
+    for i in range(2):
+        make_adapter(hf, str(tmp_path / f"r{i}"), seed=i, r=3)
+    engine = tiny_engine(str(tmp_path / "base"), dtype=dtype, max_lora_rank=3,
+                         lora_modules=[f"r{i}={tmp_path / f'r{i}'}" for i in range(2)])
+    check_c_loop_against_python(engine, ["r0", None, "r1"], monkeypatch, dtype)
+
+
+def check_c_loop_against_python(engine: Engine, names: list[str | None], monkeypatch, dtype: str) -> None:
+    """The adapters (and the base) mixed over ten requests: every decode step in C, then all in the Python loop."""
     model = engine.executor.model
     if model.decode_layers is None:
-        pytest.skip("the C decode loop does not run on this CPU build")
+        pytest.skip("the C decode loop does not run this dtype on this CPU build")
     calls = []
     real = type(model.decode_layers).__call__
-    monkeypatch.setattr(type(model.decode_layers), "__call__", lambda self, *a: calls.append(1) or real(self, *a))
-    run(engine, prompts(1), [None], n=4)
-    assert calls  # base decodes: the fast path
+    monkeypatch.setattr(type(model.decode_layers), "__call__",
+                        lambda self, *a: calls.append(a[-1] is not None) or real(self, *a))
+    ps = prompts(10, seed=13)
+    mix = [names[i % len(names)] for i in range(len(ps))]
+    in_c = run(engine, ps, mix, logprobs=1)
+    assert calls and all(calls)  # every decode step, adapters present, in C
     calls.clear()
-    run(engine, prompts(2), ["a0", None], n=4)
+    model.decode_layers = None
+    in_python = run(engine, ps, mix, logprobs=1)
     assert not calls
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=0.05, rtol=0.05)
+    for c, py in zip(in_c, in_python):
+        # equal tokens; in bfloat16 up to a near-tie of a tiny random model's flat logits, where each side's
+        # token is its own top with the other's logprob (the rest of the run then differs by design)
+        n = next((i for i, (a, b) in enumerate(zip(c.token_ids, py.token_ids)) if a != b), len(c.token_ids))
+        assert n == len(c.token_ids) or dtype == "bfloat16"
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in c.logprobs[:n + 1]]),
+                                   torch.tensor([lp.logprob for lp in py.logprobs[:n + 1]]), **tolerance)
 
 
 def test_load_and_unload_between_steps(tiny):
@@ -312,7 +352,7 @@ def test_grouped_rows_equal_each_row_under_its_own_adapter():
         for name, k in requests:
             if name is not None:
                 s = slots.slot_of[name]
-                want[row:row + k] += x[row:row + k] @ slots.a[0]["qkv"][s].T @ slots.b[0]["qkv"][s].T
+                want[row:row + k] += x[row:row + k] @ slots.a[0]["qkv"][s].T @ slots.b[0]["qkv"][s]
             row += k
         batch = slots.batch(names, q_lens)
         if batch is None:
