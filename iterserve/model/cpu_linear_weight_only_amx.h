@@ -1,0 +1,194 @@
+// Weight-only int8 and int4 linear layers on AMX tiles (linear_weight_only_amx): bfloat16 x, bias and y over the
+// panels cpu_linear_weight_only.h describes (the AVX2 kernels' own: one layout, one packer, one cache entry).
+#pragma once
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "cpu_linear_amx.h"
+
+namespace {
+
+#if defined(ITERSERVE_LINEAR_AMX) && defined(__AVX512BW__)
+#define ITERSERVE_LINEAR_WEIGHT_ONLY_AMX 1
+
+// A panel's codes are turned into bfloat16 in the pairs layout (what amx_block reads: a k pair a 128-byte
+// row) in a buffer of the thread's, and the tiles run over that: the codes are read once a call, and their
+// unpacking (~10 vector ops per 32 weights) is paid once a panel, however many rows share it. Up to 32 rows
+// (decode) a panel goes kDequantDepth inputs at a time (a buffer in L1, the tiles' sums kept in their
+// registers in between); more rows take the whole panel (K x 64 bytes, in L2) and go over it block by
+// block. Either way each tile adds its k steps in the same order, so a row's bits do not depend on the batch.
+#ifndef ITERSERVE_DEQUANT_DEPTH
+#define ITERSERVE_DEQUANT_DEPTH 256
+#endif
+constexpr int64_t kDequantDepth = ITERSERVE_DEQUANT_DEPTH;
+
+// int8: the codes are already in pairs, [K / 2][kPanel][2]; 16 bytes widen to 16 float32 lanes, which
+// vcvtne2ps2bf16 rounds exactly (|q| <= 127) and lays side by side, so 32 bytes give 64 bytes of the row in
+// place. The row scales stay out of the weights: y = scale * (x . q), at the store.
+struct Int8Panels {
+    const int8_t* codes;
+    int64_t K;
+    void operator()(int64_t p, int64_t k0, int64_t k1, uint16_t* out) const {
+        const int8_t* src = codes + p * K * kPanel + k0 * kPanel;
+        for (int64_t i = 0; i < (k1 - k0) * kPanel; i += 32) {
+            const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i))));
+            const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i + 16))));
+            _mm512_store_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+};
+
+// int4: per group, per k pair, byte j holds column j's code at the even k (low nibble) and at the odd k (high
+// one). 16 columns' bytes widen to float32 lanes, each nibble gives q * scale + minimum in one FMA, and the
+// two halves, rounded to bfloat16 side by side, are interleaved into (even, odd) pairs by one vpermw.
+struct Int4Panels {
+    const uint8_t* groups;
+    int64_t K;
+    void operator()(int64_t p, int64_t k0, int64_t k1, uint16_t* out) const {
+        alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+        const __m512i order = _mm512_load_si512(interleave), nibble = _mm512_set1_epi32(0xf);
+        const uint8_t* panel = groups + p * (K / kInt4Group) * kInt4GroupBytes;
+        for (int64_t g = k0 / kInt4Group; g < k1 / kInt4Group; ++g, out += kInt4Group * kPanel) {
+            const uint8_t* group = panel + g * kInt4GroupBytes;
+            const uint16_t* scales = reinterpret_cast<const uint16_t*>(group + kInt4Group * kPanel / 2);
+            const __m512 s[2] = {load16(scales), load16(scales + 16)};
+            const __m512 m[2] = {load16(scales + kPanel), load16(scales + kPanel + 16)};
+#pragma GCC unroll 4
+            for (int i = 0; i < kInt4Group / 2; ++i) {
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; ++h) {
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(group + i * kPanel + 16 * h)));
+                    const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, nibble)), s[h], m[h]);
+                    const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[h], m[h]);
+                    const __m512i pairs = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+                    _mm512_store_si512(out + i * 2 * kPanel + 32 * h, pairs);
+                }
+            }
+        }
+    }
+};
+
+// Tiles 0-1 (rows of x0) and, with Two, 2-3 (rows of x1) += 16 rows each @ a panel's bf16 pairs w, inputs 0 .. K
+// (x0 and x1 at the same input as w).
+template <bool Two>
+inline void amx_accumulate(const uint16_t* x0, int64_t ld0, const uint16_t* x1, int64_t ld1, const uint16_t* w,
+                           int64_t K) {
+    for (int64_t k = 0; k < K; k += 32) {
+        const uint16_t* wk = w + k * kPanel;
+        _tile_loadd(6, wk, 128);
+        _tile_loadd(7, wk + 32, 128);
+        _tile_loadd(4, x0 + k, ld0 * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if constexpr (Two) {
+            _tile_loadd(5, x1 + k, ld1 * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+inline void zero_tiles() {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+inline void store_tiles(float* c) {  // all four: c[32][kPanel]
+    _tile_stored(0, c, kPanel * 4);
+    _tile_stored(1, c + 16, kPanel * 4);
+    _tile_stored(2, c + 16 * kPanel, kPanel * 4);
+    _tile_stored(3, c + 16 * kPanel + 16, kPanel * 4);
+}
+
+// A buffer of the calling thread's, 64-byte aligned, of at least n values (kept for the next call).
+inline uint16_t* thread_buffer(size_t n) {
+    struct Free {
+        void operator()(uint16_t* p) const { std::free(p); }
+    };
+    static thread_local std::unique_ptr<uint16_t, Free> buffer;
+    static thread_local size_t size = 0;
+    if (size < n) {
+        size = (n + 31) / 32 * 32;
+        buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, size * 2)));
+    }
+    return buffer.get();
+}
+
+// x [M, K] (rows ldx apart) @ W^T (+ bias) -> y [M, N], all bfloat16, W's panels as `dequant` unpacks them
+// (dequant(p, k0, k1, out): panel p's inputs k0 .. k1 into out, in pairs); y = scale * sums where scale (one
+// float32 an output) is given. K a multiple of 32. Rows past the last whole 16 are copied once, zero-padded,
+// as linear_amx does.
+template <typename Dequant>
+void linear_weight_only_amx(const uint16_t* x, int64_t ldx, Dequant dequant, const float* scale, const uint16_t* bias,
+                            uint16_t* y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t num_panels = (N + kPanel - 1) / kPanel, whole = M / 16 * 16, tail = M - whole;
+    static thread_local std::vector<uint16_t> padded;
+    if (tail) {
+        padded.assign(size_t(16 * K), 0);
+        for (int64_t r = 0; r < tail; ++r) std::memcpy(&padded[size_t(r * K)], x + (whole + r) * ldx, size_t(K) * 2);
+    }
+    const uint16_t* tail_x = padded.data();
+#pragma omp parallel num_threads(num_threads) if (num_panels > 1)
+    {
+        configure_tiles();
+        alignas(64) float c[32 * kPanel];
+        const int64_t depth = M <= 32 ? std::min(K, kDequantDepth) : K;
+        uint16_t* w = thread_buffer(size_t(depth * kPanel));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; ++p) {
+            const int64_t n0 = p * kPanel;
+            const int valid = int(std::min<int64_t>(kPanel, N - n0));
+            const uint16_t* b = bias ? bias + n0 : nullptr;
+            const float* s = scale ? scale + n0 : nullptr;
+            if (M <= 32) {  // one block of 16 or 32 rows, the panel depth by depth
+                const uint16_t* x0 = whole >= 16 ? x : tail_x;
+                const uint16_t* x1 = whole >= 32 ? x + 16 * ldx : tail_x;
+                const int64_t ld0 = whole >= 16 ? ldx : K, ld1 = whole >= 32 ? ldx : K;
+                zero_tiles();
+                for (int64_t k0 = 0; k0 < K; k0 += depth) {
+                    const int64_t k1 = std::min(K, k0 + depth);
+                    dequant(p, k0, k1, w);
+                    if (M > 16)
+                        amx_accumulate<true>(x0 + k0, ld0, x1 + k0, ld1, w, k1 - k0);
+                    else
+                        amx_accumulate<false>(x0 + k0, ld0, nullptr, 0, w, k1 - k0);
+                }
+                store_tiles(c);
+                store_block(c, int(std::min<int64_t>(M, 16)), y + n0, N, valid, b, s);
+                if (M > 16) store_block(c + 16 * kPanel, int(M - 16), y + 16 * N + n0, N, valid, b, s);
+                continue;
+            }
+            dequant(p, 0, K, w);
+            int64_t m0 = 0;
+            for (; m0 + 32 <= whole; m0 += 32) {
+                zero_tiles();
+                amx_accumulate<true>(x + m0 * ldx, ldx, x + (m0 + 16) * ldx, ldx, w, K);
+                store_tiles(c);
+                store_block(c, 32, y + m0 * N + n0, N, valid, b, s);
+            }
+            const bool two = m0 < whole && tail;  // the last whole 16 with the tail
+            if (m0 < whole || tail) {
+                zero_tiles();
+                const uint16_t* x0 = m0 < whole ? x + m0 * ldx : tail_x;
+                if (two)
+                    amx_accumulate<true>(x0, ldx, tail_x, K, w, K);
+                else
+                    amx_accumulate<false>(x0, m0 < whole ? ldx : K, nullptr, 0, w, K);
+                store_tiles(c);
+                const int first = int(m0 < whole ? 16 : tail);
+                store_block(c, first, y + m0 * N + n0, N, valid, b, s);
+                if (two) store_block(c + 16 * kPanel, int(tail), y + (m0 + 16) * N + n0, N, valid, b, s);
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+}  // namespace
