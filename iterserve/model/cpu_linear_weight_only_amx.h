@@ -21,9 +21,15 @@ namespace {
 // registers in between); more rows take the whole panel (K x 64 bytes, in L2) and go over it block by
 // block. Either way each tile adds its k steps in the same order, so a row's bits do not depend on the batch.
 #ifndef ITERSERVE_DEQUANT_DEPTH
-#define ITERSERVE_DEQUANT_DEPTH 256
+#define ITERSERVE_DEQUANT_DEPTH 128
 #endif
 constexpr int64_t kDequantDepth = ITERSERVE_DEQUANT_DEPTH;
+// The codes are read in bursts, a depth at a time between the tiles' work: prefetched further ahead than the
+// float kernels' kPrefetch, so that the next burst's lines are on their way meanwhile.
+#ifndef ITERSERVE_WEIGHT_PREFETCH
+#define ITERSERVE_WEIGHT_PREFETCH 4096
+#endif
+constexpr int64_t kWeightPrefetch = ITERSERVE_WEIGHT_PREFETCH;
 
 // int8: the codes are already in pairs, [K / 2][kPanel][2]; 16 bytes widen to 16 float32 lanes, which
 // vcvtne2ps2bf16 rounds exactly (|q| <= 127) and lays side by side, so 32 bytes give 64 bytes of the row in
@@ -34,6 +40,7 @@ struct Int8Panels {
     void operator()(int64_t p, int64_t k0, int64_t k1, uint16_t* out) const {
         const int8_t* src = codes + p * K * kPanel + k0 * kPanel;
         for (int64_t i = 0; i < (k1 - k0) * kPanel; i += 32) {
+            if (i % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(src + i) + kWeightPrefetch, _MM_HINT_T0);
             const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i))));
             const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i + 16))));
             _mm512_store_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
@@ -42,28 +49,50 @@ struct Int8Panels {
 };
 
 // int4: per group, per k pair, byte j holds column j's code at the even k (low nibble) and at the odd k (high
-// one). 16 columns' bytes widen to float32 lanes, each nibble gives q * scale + minimum in one FMA, and the
-// two halves, rounded to bfloat16 side by side, are interleaved into (even, odd) pairs by one vpermw.
+// one). A pair's 16 bytes for 16 columns, broadcast to the four 128-bit lanes, are shuffled to bits 8-15 of 16
+// float32 lanes; or-ing in 1.0's exponent makes each nibble a float with no conversion: 1 + q / 2^15 (even k,
+// bits 8-11) and 1 + q / 2^11 (odd k, bits 12-15). One FMA each then gives q * scale + minimum, as
+// (1 + q / 2^15) * 2^15 scale + (minimum - 2^15 scale): the product is exact, so where minimum - 2^15 scale is
+// too (bf16 scale and minimum, their exponents within 16 of each other) the FMA rounds once, as q * scale +
+// minimum does; otherwise it is off by at most scale / 2^9. The two halves, rounded to bfloat16 side by side,
+// are interleaved into (even, odd) pairs by one vpermw.
 struct Int4Panels {
     const uint8_t* groups;
     int64_t K;
     void operator()(int64_t p, int64_t k0, int64_t k1, uint16_t* out) const {
         alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
                                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-        const __m512i order = _mm512_load_si512(interleave), nibble = _mm512_set1_epi32(0xf);
+        alignas(64) static const uint8_t spread[64] = {  // 128-bit lane l: bytes 4l .. 4l + 3 to bits 8-15
+            128, 0,  128, 128, 128, 1,  128, 128, 128, 2,  128, 128, 128, 3,  128, 128,
+            128, 4,  128, 128, 128, 5,  128, 128, 128, 6,  128, 128, 128, 7,  128, 128,
+            128, 8,  128, 128, 128, 9,  128, 128, 128, 10, 128, 128, 128, 11, 128, 128,
+            128, 12, 128, 128, 128, 13, 128, 128, 128, 14, 128, 128, 128, 15, 128, 128};
+        const __m512i order = _mm512_load_si512(interleave), shuffle = _mm512_load_si512(spread);
+        const __m512i one = _mm512_set1_epi32(0x3f800000), even_bits = _mm512_set1_epi32(0x00000f00),
+                      odd_bits = _mm512_set1_epi32(0x0000f000);
         const uint8_t* panel = groups + p * (K / kInt4Group) * kInt4GroupBytes;
         for (int64_t g = k0 / kInt4Group; g < k1 / kInt4Group; ++g, out += kInt4Group * kPanel) {
             const uint8_t* group = panel + g * kInt4GroupBytes;
             const uint16_t* scales = reinterpret_cast<const uint16_t*>(group + kInt4Group * kPanel / 2);
-            const __m512 s[2] = {load16(scales), load16(scales + 16)};
-            const __m512 m[2] = {load16(scales + kPanel), load16(scales + kPanel + 16)};
+            __m512 se[2], me[2], so[2], mo[2];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+                const __m512 s = load16(scales + 16 * h), m = load16(scales + kPanel + 16 * h);
+                se[h] = _mm512_mul_ps(s, _mm512_set1_ps(32768.0f)), me[h] = _mm512_sub_ps(m, se[h]);
+                so[h] = _mm512_mul_ps(s, _mm512_set1_ps(2048.0f)), mo[h] = _mm512_sub_ps(m, so[h]);
+            }
 #pragma GCC unroll 4
             for (int i = 0; i < kInt4Group / 2; ++i) {
+                if (i < int(kInt4GroupBytes / 64))  // the stream's every line, kWeightPrefetch bytes ahead
+                    _mm_prefetch(reinterpret_cast<const char*>(group) + 64 * i + kWeightPrefetch, _MM_HINT_T0);
 #pragma GCC unroll 2
                 for (int h = 0; h < 2; ++h) {
-                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(group + i * kPanel + 16 * h)));
-                    const __m512 even = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, nibble)), s[h], m[h]);
-                    const __m512 odd = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s[h], m[h]);
+                    const __m512i b = _mm512_shuffle_epi8(
+                        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(group + i * kPanel + 16 * h))), shuffle);
+                    const __m512 even = _mm512_fmadd_ps(
+                        _mm512_castsi512_ps(_mm512_ternarylogic_epi32(b, even_bits, one, 0xea)), se[h], me[h]);
+                    const __m512 odd = _mm512_fmadd_ps(
+                        _mm512_castsi512_ps(_mm512_ternarylogic_epi32(b, odd_bits, one, 0xea)), so[h], mo[h]);
                     const __m512i pairs = _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
                     _mm512_store_si512(out + i * 2 * kPanel + 32 * h, pairs);
                 }
