@@ -45,11 +45,22 @@ def test_what_the_build_lacks_the_cpu_does_not_get():
     assert bare.default_dtype == "bfloat16" and bare.bf16_layout is None and not bare.w8a8
 
 
+def test_weight_only_panels_take_the_tiles_only_where_the_pairs_do():
+    """Weight-only int8/int4 unpack into the pairs panels' layout for the AMX tiles: a build that takes them
+    gives them only with the tiles, and summary() says so."""
+    on = cpu_paths.decide(SAPPHIRE_RAPIDS, **ALL, weight_only_amx=True)
+    assert on.weight_only_amx and "int8/int4 panels on AMX tiles" in on.summary()
+    for caps in ({"amx": False}, {"pairs": False}, {"kernels": False}):
+        assert not cpu_paths.decide(SAPPHIRE_RAPIDS, **{**ALL, **caps}, weight_only_amx=True).weight_only_amx
+
+
 def test_this_machine_runs_what_cpu_paths_says():
     paths = cpu_paths.current()
     assert paths == cpu_paths.decide(cpu_build.cpu_flags(), kernels=paths.kernels, pairs=paths.bf16_layout == "pairs",
-                                     amx=paths.amx_tiles, w8a8=paths.w8a8, weight_only=paths.weight_only_panels)
+                                     amx=paths.amx_tiles, w8a8=paths.w8a8, weight_only=paths.weight_only_panels,
+                                     weight_only_amx=paths.weight_only_amx)
     assert paths.kernels == (cpu_kernels.linear_kernel() is not None)
+    assert paths.weight_only_amx == (paths.amx_tiles and cpu_kernels.linear_weight_only_amx_supported())
     if paths.isa in ("avx512", "avx512_bf16", "amx") and paths.kernels:
         assert cpu_kernels.linear_int8_supported() == paths.w8a8
     from iterserve.executor.dtypes import pick_dtype  # --dtype auto follows it
