@@ -16,7 +16,7 @@ namespace {
 
 // A panel's codes are turned into bfloat16 in the pairs layout (what amx_block reads: a k pair a 128-byte
 // row) in a buffer of the thread's, and the tiles run over that: the codes are read once a call, and their
-// unpacking (~10 vector ops per 32 weights) is paid once a panel, however many rows share it. Up to 32 rows
+// unpacking (8-9 vector ops per 32 weights) is paid once a panel, however many rows share it. Up to 32 rows
 // (decode) a panel goes kDequantDepth inputs at a time (a buffer in L1, the tiles' sums kept in their
 // registers in between); more rows take the whole panel (K x 64 bytes, in L2) and go over it block by
 // block. Either way each tile adds its k steps in the same order, so a row's bits do not depend on the batch.
