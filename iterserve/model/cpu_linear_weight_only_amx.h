@@ -157,6 +157,7 @@ template <typename Dequant>
 void linear_weight_only_amx(const uint16_t* x, int64_t ldx, Dequant dequant, const float* scale, const uint16_t* bias,
                             uint16_t* y, int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t num_panels = (N + kPanel - 1) / kPanel, whole = M / 16 * 16, tail = M - whole;
+    if (M == 0) return;  // no rows: no block to load, not even a padded one
     static thread_local std::vector<uint16_t> padded;
     if (tail) {
         padded.assign(size_t(16 * K), 0);

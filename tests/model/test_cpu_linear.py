@@ -409,7 +409,7 @@ def test_weight_only_panels_are_declined_by_a_build_without_them():
 needs_weight_only_amx = pytest.mark.skipif(not cpu_paths.current().weight_only_amx,
                                            reason="cpu_paths: no weight-only panels on AMX tiles here")
 NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
-AMX_ROWS = [1, 3, 16, 17, 33, 100]  # one block of 16 or 32 rows (the panel unpacked a depth at a time), or more
+AMX_ROWS = [0, 1, 3, 16, 17, 33, 100]  # none; one block of 16 or 32 rows (the panel a depth at a time); more
 AMX_SHAPES = [(70, 64), (100, 4064)]  # a last partial panel; 4064 inputs: a last partial depth
 
 
