@@ -49,7 +49,6 @@ a step); `_linear_pointwise` on the packed weight gives bf16 results bit-identic
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -226,11 +225,10 @@ def weight_only_amx(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and cpu_paths.current().weight_only_amx
 
 
-@functools.cache
 def weight_only_dtype() -> torch.dtype:
-    """The activations' dtype of this build's weight-only panels: bfloat16 on AMX tiles, else float32 (AVX2:
-    a build has at most one of them)."""
-    return torch.bfloat16 if cpu_paths.current().weight_only_amx else torch.float32
+    """The activations' dtype of this build's weight-only panels: float32 where they are the AVX2 kernels',
+    else bfloat16 (AMX tiles; a build has at most one of them)."""
+    return torch.float32 if cpu_kernels.linear_weight_only_supported() else torch.bfloat16
 
 
 def kernel_panels(w: Weight, x_dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
