@@ -6,7 +6,7 @@ panels on AMX tiles, and the bf16 pairs panels on AMX tiles, side by side.
 Llama-3.1-8B's linears (q/o 4096 x 4096, k/v 1024 x 4096, gate/up fused 28672 x 4096, down 4096 x 14336)
 with random weights; x bfloat16. Each format is run `--repeats` times in turn, alternated, and the best time
 is printed in ms with the weight bytes read per second (GB/s) and the arithmetic (GFLOP/s). The int4 and int8
-panels need an AMX build of cpu_linear.cpp (cpu_paths: weight_only_amx).
+panels need an AVX-512 BF16 build of cpu_linear.cpp (cpu_paths: weight_only_bf16; AMX tiles where there are some).
 """
 from __future__ import annotations
 
@@ -32,14 +32,14 @@ def formats(n: int, k: int) -> dict:
     tiles = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     out = {"torch-int4": (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, tiles, INT4_GROUP, scales_zeros),
                           tiles.nbytes + scales_zeros.nbytes)}
-    if cpu_paths.current().weight_only_amx:
+    if cpu_paths.current().weight_only_bf16:
         int4 = cpu_packing.pack_int4_weight_panels(q, scale, low)
         int8 = cpu_packing.pack_int8_weight_panels((q - 8).to(torch.int8) * 15, torch.full((n,), 1e-3))
-        out["int4-amx"] = (lambda x: cpu_kernels.linear_int4_weights(x, int4, n, k), int4.nbytes)
-        out["int8-amx"] = (lambda x: cpu_kernels.linear_int8_weights(x, int8, n, k), int8.nbytes)
+        out["int4-panels"] = (lambda x: cpu_kernels.linear_int4_weights(x, int4, n, k), int4.nbytes)
+        out["int8-panels"] = (lambda x: cpu_kernels.linear_int8_weights(x, int8, n, k), int8.nbytes)
     w = (q - 8).bfloat16() * 1e-2
     pairs = cpu_packing.pack_panels(w, pairs=True)
-    out["bf16-amx"] = (lambda x: cpu_kernels.linear(x, pairs, n), pairs.nbytes)
+    out["bf16-pairs"] = (lambda x: cpu_kernels.linear(x, pairs, n), pairs.nbytes)
     return out
 
 

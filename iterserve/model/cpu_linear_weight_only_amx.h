@@ -1,5 +1,6 @@
-// Weight-only int8 and int4 linear layers on AMX tiles (linear_weight_only_amx): bfloat16 x, bias and y over the
-// panels cpu_linear_weight_only.h describes (the AVX2 kernels' own: one layout, one packer, one cache entry).
+// Weight-only int8 and int4 linear layers on AMX tiles (linear_weight_only_amx), or on vdpbf16ps without them
+// (linear_weight_only_pairs: Zen 4): bfloat16 x, bias and y over the panels cpu_linear_weight_only.h describes
+// (the AVX2 kernels' own: one layout, one packer, one cache entry).
 #pragma once
 
 #include <algorithm>
@@ -11,8 +12,8 @@
 
 namespace {
 
-#if defined(ITERSERVE_LINEAR_AMX) && defined(__AVX512BW__)
-#define ITERSERVE_LINEAR_WEIGHT_ONLY_AMX 1
+#if defined(ITERSERVE_LINEAR_PAIRS) && defined(__AVX512BW__)
+#define ITERSERVE_LINEAR_WEIGHT_ONLY_BF16 1
 
 // A panel's codes are turned into bfloat16 in the pairs layout (what amx_block reads: a k pair a 128-byte
 // row) in a buffer of the thread's, and the tiles run over that: the codes are read once a call, and their
@@ -33,16 +34,28 @@ constexpr int64_t kWeightPrefetch = ITERSERVE_WEIGHT_PREFETCH;
 
 // int8: the codes are already in pairs, [K / 2][kPanel][2]; 16 bytes widen to 16 float32 lanes, which
 // vcvtne2ps2bf16 rounds exactly (|q| <= 127) and lays side by side, so 32 bytes give 64 bytes of the row in
-// place. The row scales stay out of the weights: y = scale * (x . q), at the store.
+// place. On the tiles the row scales stay out of the weights: y = scale * (x . q), at the store; the
+// vdpbf16ps tiles store their sums as they are, so there (`scale` given) the weights are q * scale, rounded.
 struct Int8Panels {
     const int8_t* codes;
     int64_t K;
+    const float* scale = nullptr;
     void operator()(int64_t p, int64_t k0, int64_t k1, uint16_t* out) const {
         const int8_t* src = codes + p * K * kPanel + k0 * kPanel;
+        __m512 twice[4];  // columns 0-7, 8-15, 16-23, 24-31's scales, each for both inputs of a pair
+        const __m512i pair_lanes = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+        for (int j = 0; j < 4 && scale; ++j) {
+            const __m256 eight = _mm256_loadu_ps(scale + p * kPanel + 8 * j);
+            twice[j] = _mm512_permutexvar_ps(pair_lanes, _mm512_castps256_ps512(eight));
+        }
         for (int64_t i = 0; i < (k1 - k0) * kPanel; i += 32) {
             if (i % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(src + i) + kWeightPrefetch, _MM_HINT_T0);
-            const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i))));
-            const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i + 16))));
+            __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i))));
+            __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + i + 16))));
+            if (scale) {
+                const int h = int(i % 64) / 32;
+                a = _mm512_mul_ps(a, twice[2 * h]), b = _mm512_mul_ps(b, twice[2 * h + 1]);
+            }
             _mm512_store_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
         }
     }
@@ -101,6 +114,54 @@ struct Int4Panels {
     }
 };
 
+// A buffer of the calling thread's, 64-byte aligned, of at least n values (kept for the next call).
+inline uint16_t* thread_buffer(size_t n) {
+    struct Free {
+        void operator()(uint16_t* p) const { std::free(p); }
+    };
+    static thread_local std::unique_ptr<uint16_t, Free> buffer;
+    static thread_local size_t size = 0;
+    if (size < n) {
+        size = (n + 31) / 32 * 32;
+        buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, size * 2)));
+    }
+    return buffer.get();
+}
+
+// A tile of 1 .. kRows rows on vdpbf16ps (tile_pairs), R a compile-time constant.
+template <int R = 1>
+void pairs_rows(int rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y, int64_t ldy,
+                int valid, const uint16_t* bias) {
+    if (rows == R)
+        tile_pairs<R>(x, ldx, w, K, y, ldy, valid, bias);
+    else if constexpr (R < kRows)
+        pairs_rows<R + 1>(rows, x, ldx, w, K, y, ldy, valid, bias);
+}
+
+// Without AMX: each panel unpacked whole, then the pairs layout's vdpbf16ps tiles over it, tile by tile of
+// rows as linear() takes the bf16 pairs panels (so the same bits as that linear over the unpacked weights).
+template <typename Dequant>
+void linear_weight_only_pairs(const uint16_t* x, int64_t ldx, Dequant dequant, const uint16_t* bias, uint16_t* y,
+                              int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t num_panels = (N + kPanel - 1) / kPanel, tiles = (M + kRows - 1) / kRows;
+    auto first_row = [&](int64_t t) { return M * t / tiles; };
+#pragma omp parallel num_threads(num_threads) if (num_panels > 1)
+    {
+        uint16_t* w = thread_buffer(size_t(K * kPanel));
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < num_panels; ++p) {
+            const int64_t n0 = p * kPanel;
+            dequant(p, 0, K, w);
+            for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t m0 = first_row(t);
+                pairs_rows(int(first_row(t + 1) - m0), x + m0 * ldx, ldx, w, K, y + m0 * N + n0, N,
+                           int(std::min<int64_t>(kPanel, N - n0)), bias ? bias + n0 : nullptr);
+            }
+        }
+    }
+}
+
+#if defined(ITERSERVE_LINEAR_AMX)
 // Tiles 0-1 (rows of x0) and, with Two, 2-3 (rows of x1) += 16 rows each @ a panel's bf16 pairs w, inputs 0 .. K
 // (x0 and x1 at the same input as w).
 template <bool Two>
@@ -135,26 +196,12 @@ inline void store_tiles(float* c) {  // all four: c[32][kPanel]
     _tile_stored(3, c + 16 * kPanel + 16, kPanel * 4);
 }
 
-// A buffer of the calling thread's, 64-byte aligned, of at least n values (kept for the next call).
-inline uint16_t* thread_buffer(size_t n) {
-    struct Free {
-        void operator()(uint16_t* p) const { std::free(p); }
-    };
-    static thread_local std::unique_ptr<uint16_t, Free> buffer;
-    static thread_local size_t size = 0;
-    if (size < n) {
-        size = (n + 31) / 32 * 32;
-        buffer.reset(static_cast<uint16_t*>(std::aligned_alloc(64, size * 2)));
-    }
-    return buffer.get();
-}
-
 // x [M, K] (rows ldx apart) @ W^T (+ bias) -> y [M, N], all bfloat16, W's panels as `dequant` unpacks them
 // (dequant(p, k0, k1, out): panel p's inputs k0 .. k1 into out, in pairs); y = scale * sums where scale (one
 // float32 an output) is given. K a multiple of 32. Rows past the last whole 16 are copied once, zero-padded,
 // as linear_amx does.
 template <typename Dequant>
-void linear_weight_only_amx(const uint16_t* x, int64_t ldx, Dequant dequant, const float* scale, const uint16_t* bias,
+void linear_weight_only_bf16(const uint16_t* x, int64_t ldx, Dequant dequant, const float* scale, const uint16_t* bias,
                             uint16_t* y, int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t num_panels = (N + kPanel - 1) / kPanel, whole = M / 16 * 16, tail = M - whole;
     if (M == 0) return;  // no rows: no block to load, not even a padded one
@@ -219,6 +266,7 @@ void linear_weight_only_amx(const uint16_t* x, int64_t ldx, Dequant dequant, con
         _tile_release();
     }
 }
+#endif
 #endif
 
 }  // namespace

@@ -38,12 +38,12 @@ W8A8 = pytest.param("bfloat16", "auto", "w8a8", marks=needs_int8)
 needs_weight_only = pytest.mark.skipif(not cpu_kernels.linear_weight_only_supported(),
                                        reason="weight-only int8/int4 run on torch's kernels in an AVX-512 build "
                                        "(test_cpu_paths runs these under ITERSERVE_CPU_ISA=avx2)")
-needs_weight_only_amx = pytest.mark.skipif(not cpu_paths.current().weight_only_amx,
-                                           reason="cpu_paths: no weight-only panels on AMX tiles here")
+needs_weight_only_bf16 = pytest.mark.skipif(not cpu_paths.current().weight_only_bf16,
+                                           reason="cpu_paths: no weight-only panels unpacked to bf16 here")
 WEIGHT_ONLY = [pytest.param(dtype, kv, mode, marks=needs_weight_only)
                for dtype, kv, mode in [("float32", "auto", "int8"), ("float32", "auto", "int4"),
                                        ("bf16-storage", "bfloat16", "int4"), ("bf16-storage", "int8", "int8")]]
-WEIGHT_ONLY += [pytest.param("bfloat16", kv, mode, marks=needs_weight_only_amx)
+WEIGHT_ONLY += [pytest.param("bfloat16", kv, mode, marks=needs_weight_only_bf16)
                 for kv, mode in [("auto", "int8"), ("auto", "int4"), ("int8", "int4")]]
 
 
@@ -110,20 +110,20 @@ def test_layers_it_does_not_implement_keep_the_python_loop(tmp_path, family):
 @needs_kernels
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_weight_only_layers_on_torchs_kernels_keep_the_python_loop(tmp_path, monkeypatch, mode):
-    """Weight-only int8/int4 in torch's layouts (a build with neither the AVX2 nor the AMX panels), or under
-    the arithmetic the panels do not take (float32 on AMX, whose panels take bfloat16): DecodeLayers.build
+    """Weight-only int8/int4 in torch's layouts (a build with neither the AVX2 nor the bf16 panels), or under
+    the arithmetic the panels do not take (float32 on AVX-512 BF16, whose panels take bfloat16): DecodeLayers.build
     declines."""
     build_checkpoint(tmp_path, "llama")
-    if cpu_paths.current().weight_only_amx:
+    if cpu_paths.current().weight_only_bf16:
         assert model_of(tmp_path, "float32", mode).decode_layers is None
     monkeypatch.setattr(cpu_kernels, "linear_weight_only_supported", lambda flags=(): False)
-    monkeypatch.setattr(cpu_kernels, "linear_weight_only_amx_supported", lambda flags=(): False)
+    monkeypatch.setattr(cpu_kernels, "linear_weight_only_bf16_supported", lambda flags=(): False)
     for dtype in ("bfloat16", "float32"):
         assert model_of(tmp_path, dtype, mode).decode_layers is None
 
 
 @needs_kernels
-@needs_weight_only_amx
+@needs_weight_only_bf16
 def test_linears_of_different_kinds_run_in_one_c_loop(tmp_path):
     """A Q4_K_M file's layers: int4 linears beside per-row int8 ones (its Q6_K tensors), each with its own code in
     the C loop: the Python loop's logits and cache, bit for bit."""

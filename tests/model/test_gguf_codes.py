@@ -140,22 +140,22 @@ def greedy_tokens(runner: ModelRunner) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
-@pytest.mark.skipif(not cpu_paths.current().weight_only_amx, reason="cpu_paths: no weight-only panels on AMX tiles")
-def test_amx_panels_serve_a_q4_k_m_file_as_torchs_kernels_did(q4_k_m, monkeypatch):
-    """On AMX the file's int4 and int8 codes run on the kernel's panels, decode steps in the C loop; torch's
-    int4/int8 kernels over the same codes (the path before them) give the same greedy tokens, and logits within
-    the check against floats above."""
-    amx = runner(q4_k_m, num_kv_blocks=16)
-    model = amx.model
+@pytest.mark.skipif(not cpu_paths.current().weight_only_bf16, reason="cpu_paths: no weight-only panels unpacked to bf16")
+def test_bf16_panels_serve_a_q4_k_m_file_as_torchs_kernels_did(q4_k_m, monkeypatch):
+    """With AVX-512 BF16 the file's int4 and int8 codes run on the kernel's panels, decode steps in the C loop;
+    torch's int4/int8 kernels over the same codes (the path before them) give the same greedy tokens, up to
+    near-ties, and logits within the check against floats above."""
+    panels = runner(q4_k_m, num_kv_blocks=16)
+    model = panels.model
     assert model.layers[0].o.scales_zeros is None and model.layers[0].qkv.panels and model.lm_head.panels
     assert model.decode_layers is not None
-    monkeypatch.setattr(cpu_kernels, "linear_weight_only_amx_supported", lambda flags=(): False)
+    monkeypatch.setattr(cpu_kernels, "linear_weight_only_bf16_supported", lambda flags=(): False)
     torchs = runner(q4_k_m, num_kv_blocks=16)
     assert torchs.model.layers[0].o.scales_zeros is not None and torchs.model.decode_layers is None
-    got, want = prompt_logits(amx).float(), prompt_logits(torchs).float()
+    got, want = prompt_logits(panels).float(), prompt_logits(torchs).float()
     tolerance = 0.05 * want.abs().max()
     assert (got - want).abs().max() <= tolerance
-    for prompt, tokens in zip(PROMPTS, greedy_tokens(amx)):  # torch's greedy choice at each step, up to a near-tie
+    for prompt, tokens in zip(PROMPTS, greedy_tokens(panels)):  # torch's greedy choice at each step, up to a near-tie
         for t in range(len(tokens)):
             logits = last_logits(torchs, prompt + tokens[:t])
             assert logits[tokens[t]] >= logits.max() - tolerance
