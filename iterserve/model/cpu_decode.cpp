@@ -48,6 +48,7 @@ struct DecodeLayer {  // one layer's weights: the linears' panels, the norms' we
     const void* cos;
     const void* sin;
     int window;
+    int qkv_dtype, o_dtype, gate_up_dtype, down_dtype;  // cpu_linear.cpp's codes for the linears' panels
 };
 
 struct DecodeStep {
@@ -61,7 +62,6 @@ struct DecodeStep {
     AttentionFn attention;
     SiluMulFn silu_mul;
     int dtype;         // the arithmetic's, as the kernels code it: 0 float32, 1 bfloat16
-    int linear_dtype;  // cpu_linear.cpp's code for the panels
     int attention_dtype;  // cpu_attention.cpp's code for q over this cache
     int num_threads;
     int heads, kv_heads, head_dim, block_size;
@@ -125,7 +125,7 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
                 s->rms_norm(s->dtype, s->delta, s->x, l.attn_norm, s->h, m, s->hidden, s->eps);
         });
         timed(t, kQkv, [&] {
-            rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.qkv, l.qkv_bias, qkv, m, qkv_size, s->hidden,
+            rc |= s->linear(l.qkv_dtype, s->h, s->hidden, l.qkv, l.qkv_bias, qkv, m, qkv_size, s->hidden,
                             s->num_threads);
             add_lora(s, i, kLoraQkv, s->h, s->hidden, qkv, {q_size, kv_size, kv_size});
         });
@@ -153,19 +153,19 @@ int iterserve_decode_layers(const DecodeStep* s, const DecodeLayer* layers, int 
                                s->block_size, s->scale, s->num_threads, l.window, s->softcap);
         });
         timed(t, kO, [&] {
-            rc |= s->linear(s->linear_dtype, s->attn, q_size, l.o, nullptr, s->delta, m, s->hidden, q_size,
+            rc |= s->linear(l.o_dtype, s->attn, q_size, l.o, nullptr, s->delta, m, s->hidden, q_size,
                             s->num_threads);
             add_lora(s, i, kLoraO, s->attn, q_size, s->delta, {s->hidden});
         });
         timed(t, kNorm, [&] { s->rms_norm(s->dtype, s->delta, s->x, l.mlp_norm, s->h, m, s->hidden, s->eps); });
         timed(t, kGateUp, [&] {
-            rc |= s->linear(s->linear_dtype, s->h, s->hidden, l.gate_up, nullptr, s->gate_up, m, 2 * s->intermediate,
+            rc |= s->linear(l.gate_up_dtype, s->h, s->hidden, l.gate_up, nullptr, s->gate_up, m, 2 * s->intermediate,
                             s->hidden, s->num_threads);
             add_lora(s, i, kLoraGateUp, s->h, s->hidden, s->gate_up, {s->intermediate, s->intermediate});
         });
         timed(t, kSiluMul, [&] { s->silu_mul(s->dtype, s->gate_up, s->act, m, s->intermediate); });
         timed(t, kDown, [&] {
-            rc |= s->linear(s->linear_dtype, s->act, s->intermediate, l.down, nullptr, s->delta, m, s->hidden,
+            rc |= s->linear(l.down_dtype, s->act, s->intermediate, l.down, nullptr, s->delta, m, s->hidden,
                             s->intermediate, s->num_threads);
             add_lora(s, i, kLoraDown, s->act, s->intermediate, s->delta, {s->hidden});
         });

@@ -7,7 +7,8 @@ cpu_decode.cpp makes the same calls, in the same order and with the same argumen
 in C: the results are bit for bit the Python loop's (tests/model/test_cpu_decode.py).
 
 It takes the layers the Python loop runs with the C kernels and nothing else: pre-norm, SiLU, no
-q/k norms, no output norms, no experts, every linear in the C kernel's panels, the K/V cache in the
+q/k norms, no output norms, no experts, every linear in the C kernel's panels under the arithmetic's
+dtype (each its own kind: a Q4_K_M file's int4 beside its int8 tensors), the K/V cache in the
 arithmetic's dtype, in bfloat16 under float32 arithmetic (bf16 storage) or in int8, a decode-only
 step through the paged decode kernel, no tensor parallelism. DecodeLayers.build says None for anything
 else, and the model keeps its Python loop. A step with LoRA adapters runs here too: after each linear
@@ -36,14 +37,15 @@ PARTS = ("norm", "qkv", "rope", "write_kv", "attention", "o", "gate_up", "silu_m
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("attn_norm", "qkv", "qkv_bias", "o", "mlp_norm", "gate_up", "down", "cos",
-                                        "sin")] + [("window", _i32)]
+    _fields_ = ([(name, _p) for name in ("attn_norm", "qkv", "qkv_bias", "o", "mlp_norm", "gate_up", "down", "cos",
+                                         "sin")]
+                + [(name, _i32) for name in ("window", "qkv_dtype", "o_dtype", "gate_up_dtype", "down_dtype")])
 
 
 class _Step(ctypes.Structure):
     _fields_ = ([(name, _p) for name in ("rms_norm", "linear", "rope", "write_kv", "write_kv_int8", "write_kv_pairs",
                                          "write_kv_bf16", "attention", "silu_mul")]
-                + [(name, _i32) for name in ("dtype", "linear_dtype", "attention_dtype", "num_threads", "heads",
+                + [(name, _i32) for name in ("dtype", "attention_dtype", "num_threads", "heads",
                                              "kv_heads", "head_dim", "block_size")]
                 + [(name, _i64) for name in ("rows", "hidden", "intermediate")]
                 + [(name, _f32) for name in ("eps", "scale", "softcap")]
@@ -68,22 +70,25 @@ def _address(fn) -> int:
 class DecodeLayers:
     """The model's layers as cpu_decode.cpp runs them: their weights' addresses, taken once."""
 
-    def __init__(self, model, kernel, linear_dtype: int) -> None:
+    def __init__(self, model, kernel) -> None:
         cfg, layers = model.cfg, model.layers
         self.model, self.kernel, self.dtype = model, kernel, model.dtype
 
         def panels(w) -> int:
             return kernel_panels(w, model.dtype)[0].data_ptr()
 
+        def code(w) -> int:
+            return kernel_panels(w, model.dtype)[1]
+
         self.layers = (_Layer * len(layers))(*[_Layer(
             l.attn_norm.data_ptr(), panels(l.qkv), cpu_kernels._ptr(l.qkv_bias), panels(l.o),
             l.mlp_norm.data_ptr(), panels(l.gate_up), panels(l.down),
-            model.rope_tables[l.rope][0].data_ptr(), model.rope_tables[l.rope][1].data_ptr(), l.window)
+            model.rope_tables[l.rope][0].data_ptr(), model.rope_tables[l.rope][1].data_ptr(), l.window,
+            code(l.qkv), code(l.o), code(l.gate_up), code(l.down))
             for l in layers])
         self.intermediate = layers[0].gate_up.shape[0] // 2
         self.part_seconds = None  # see time_parts
         self._lora = None  # (the LoRASlots, A's and B's addresses per layer and linear), taken on first use
-        self.linear_dtype = linear_dtype
         ops = cpu_kernels.elementwise_ops()
         self.fns = {"rms_norm": _address(ops.rms_norm), "linear": _address(cpu_kernels.linear_kernel()),
                     "rope": _address(ops.rope), "silu_mul": _address(ops.silu_mul), "write_kv": _address(ops.write_kv),
@@ -102,17 +107,13 @@ class DecodeLayers:
             return None
         if any(l.experts is not None or l.attn_norm is None or l.mlp_norm is None for l in layers):
             return None
-        panels = [kernel_panels(w, model.dtype) for l in layers for w in (l.qkv, l.o, l.gate_up, l.down)]
-        if any(p is None for p in panels):
-            return None
-        codes = {code for _, code in panels}
-        if len(codes) != 1:  # one layout: the arithmetic's dtype, bf16 storage's under float32, int8, int4
+        if any(kernel_panels(w, model.dtype) is None for l in layers for w in (l.qkv, l.o, l.gate_up, l.down)):
             return None
         kernel = _kernel()
         if kernel is None or cpu_kernels.decode_attention_kernel() is None or \
                 cpu_kernels.decode_attention_int8_kernel() is None:
             return None
-        return DecodeLayers(model, kernel, codes.pop())
+        return DecodeLayers(model, kernel)
 
     def time_parts(self, on: bool = True) -> None:
         """Sum, from now on, the seconds each of PARTS takes over all layers (part_seconds, from zero), or
@@ -162,7 +163,7 @@ class DecodeLayers:
         step = _Step(f["rms_norm"], f["linear"], f["rope"],
                      *(f[name] if name == write else None
                        for name in ("write_kv", "write_kv_int8", "write_kv_pairs", "write_kv_bf16")),
-                     f["attention_int8" if int8 else "attention"], f["silu_mul"], DTYPES[self.dtype], self.linear_dtype,
+                     f["attention_int8" if int8 else "attention"], f["silu_mul"], DTYPES[self.dtype],
                      cpu_kernels.attention_code(self.dtype, kv_cache.dtype, pairs), plan.num_threads,
                      cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, plan.block_size, m, cfg.hidden_size,
                      self.intermediate, cfg.rms_norm_eps,

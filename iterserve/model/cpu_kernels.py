@@ -26,6 +26,7 @@ PAIRS = 3
 INT8 = 4  # cpu_linear.cpp's code for int8 panels (w8a8) under float32 activations; + 1 under bfloat16
 INT8_WEIGHTS = 6  # cpu_linear.cpp's code for weight-only int8 panels under float32 activations (AVX2)
 INT4_WEIGHTS = 7  # and for weight-only int4 panels
+WEIGHTS_BF16 = 2  # + INT8_WEIGHTS / INT4_WEIGHTS: the same panels under bfloat16 activations (AMX or vdpbf16ps)
 
 
 _DECODE_ARGS = [_i32, _p, _i64, _p, _p, _p, _i64, _p, _p, _i32, _i32, _i32, _i32, _i32, _f32, _i32, _i32, _f32]
@@ -284,25 +285,44 @@ def linear_weight_only_supported(extra_flags: tuple[str, ...] = ()) -> bool:
     return _linear_builds("weight_only", extra_flags)
 
 
+@functools.cache
+def linear_weight_only_bf16_supported(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether cpu_linear.cpp's build runs the weight-only int8 and int4 panels under bfloat16 activations,
+    unpacked to bf16 pairs (AVX-512 BF16: on AMX tiles where the OS grants them, else vdpbf16ps)."""
+    return _linear_builds("weight_only_bf16", extra_flags)
+
+
+def weight_only_code(base: int, x_dtype: torch.dtype) -> int:
+    """cpu_linear.cpp's code for weight-only panels (base: INT8_WEIGHTS or INT4_WEIGHTS) under x_dtype
+    activations: float32 (the AVX2 kernels) or bfloat16 (AVX-512 BF16)."""
+    assert x_dtype in (torch.float32, torch.bfloat16)
+    return base + (WEIGHTS_BF16 if x_dtype == torch.bfloat16 else 0)
+
+
+_NO_WEIGHT_ONLY = ("this build of cpu_linear.cpp has no weight-only {} panels under {} activations (float32: AVX2 "
+                   "without AVX-512; bfloat16: AVX-512 BF16)")
+
+
 def linear_int8_weights(x: torch.Tensor, panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None,
                         kernel=None) -> torch.Tensor:
-    """x [M, K] float32 (rows any stride) @ (codes * scales)^T (+ bias, float32) -> [M, n] float32, the weight
-    as pack_int8_weight_panels packed it; x enters the kernel as 16-bit codes, a scale a row."""
-    assert x.dtype == torch.float32 and x.shape[1] == k and panels.numel() == -(-n // PANEL) * PANEL * (k + k % 2 + 4)
-    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
-    return _run_linear(INT8_WEIGHTS, x, panels, n, bias, kernel,
-                       "this build of cpu_linear.cpp has no weight-only int8 panels (AVX2 without AVX-512 only)")
+    """x [M, K] float32 or bfloat16 (rows any stride) @ (codes * scales)^T (+ bias, x's dtype) -> [M, n] in x's
+    dtype, the weight as pack_int8_weight_panels packed it. Under float32 (AVX2) x enters the kernel as 16-bit
+    codes, a scale a row; under bfloat16 (K a multiple of 32) the codes become bfloat16 pairs for the tiles."""
+    assert x.shape[1] == k and panels.numel() == -(-n // PANEL) * PANEL * (k + k % 2 + 4)
+    assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
+    return _run_linear(weight_only_code(INT8_WEIGHTS, x.dtype), x, panels, n, bias, kernel,
+                       _NO_WEIGHT_ONLY.format("int8", x.dtype))
 
 
 def linear_int4_weights(x: torch.Tensor, panels: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None,
                         kernel=None) -> torch.Tensor:
-    """x [M, K] float32 (rows any stride) @ (codes * scale + minimum)^T (+ bias, float32) -> [M, n] float32,
-    the weight as pack_int4_weight_panels packed it."""
-    assert x.dtype == torch.float32 and x.shape[1] == k and k % INT4_GROUP == 0
+    """x [M, K] float32 or bfloat16 (rows any stride) @ (codes * scale + minimum)^T (+ bias, x's dtype) -> [M, n]
+    in x's dtype, the weight as pack_int4_weight_panels packed it."""
+    assert x.shape[1] == k and k % INT4_GROUP == 0
     assert panels.numel() == -(-n // PANEL) * PANEL * k * 5 // 8  # half a byte a code, 4 bytes a group's pair
-    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
-    return _run_linear(INT4_WEIGHTS, x, panels, n, bias, kernel,
-                       "this build of cpu_linear.cpp has no weight-only int4 panels (AVX2 without AVX-512 only)")
+    assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
+    return _run_linear(weight_only_code(INT4_WEIGHTS, x.dtype), x, panels, n, bias, kernel,
+                       _NO_WEIGHT_ONLY.format("int4", x.dtype))
 
 
 def _run_linear(code: int, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, kernel,

@@ -27,6 +27,7 @@
 #include "cpu_linear_avx2.h"
 #include "cpu_linear_amx.h"
 #include "cpu_linear_weight_only.h"
+#include "cpu_linear_weight_only_amx.h"
 
 namespace {
 
@@ -161,6 +162,16 @@ int iterserve_linear_weight_only_supported() {
 #endif
 }
 
+// Whether this build takes dtypes 8 and 9, weight-only int8 and int4 panels under bfloat16 (AVX-512 BF16: on AMX
+// tiles where there are some and the OS grants them, else on vdpbf16ps).
+int iterserve_linear_weight_only_bf16_supported() {
+#if defined(ITERSERVE_LINEAR_WEIGHT_ONLY_BF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // Whether this build takes dtypes 4 and 5, the int8 panels (AVX-512 VNNI).
 int iterserve_linear_int8_supported() {
 #if defined(ITERSERVE_LINEAR_INT8)
@@ -173,12 +184,40 @@ int iterserve_linear_int8_supported() {
 // dtype of x, the panels, bias and y: 0 float32, 1 bfloat16; 2 bfloat16 panels, the rest float32;
 // 3 bfloat16 throughout, the panels in the pairs layout; 4 / 5 int8 panels (w8a8) under float32 /
 // bfloat16 x, bias and y; 6 / 7 weight-only int8 / int4 panels under float32 x, bias and y (int4: K a
-// multiple of 32).
+// multiple of 32); 8 / 9 the same panels under bfloat16 x, bias and y (AVX-512 BF16, AMX; K a multiple of 32).
 // x rows ldx elements apart, y contiguous; bias may be null. Returns 0, or -1 where this build cannot
 // run it.
 int iterserve_linear(int dtype, const void* x, int64_t ldx, const void* panels, const void* bias, void* y,
                      int64_t M, int64_t N, int64_t K, int num_threads) {
 #if defined(ITERSERVE_LINEAR)
+    if (dtype == 8 || dtype == 9) {
+#if defined(ITERSERVE_LINEAR_WEIGHT_ONLY_BF16)
+        if (K % 32) return -1;
+        const auto* xb = static_cast<const uint16_t*>(x);
+        const auto* b = static_cast<const uint16_t*>(bias);
+        auto* yb = static_cast<uint16_t*>(y);
+        const auto* codes = static_cast<const int8_t*>(panels);
+        const Int4Panels int4{static_cast<const uint8_t*>(panels), K};
+        const float* scale = dtype == 8 ? reinterpret_cast<const float*>(codes + (N + kPanel - 1) / kPanel * kPanel * K)
+                                        : nullptr;
+#if defined(ITERSERVE_LINEAR_AMX)
+        if (amx_permitted()) {
+            if (dtype == 8)
+                linear_weight_only_bf16(xb, ldx, Int8Panels{codes, K}, scale, b, yb, M, N, K, num_threads);
+            else
+                linear_weight_only_bf16(xb, ldx, int4, nullptr, b, yb, M, N, K, num_threads);
+            return 0;
+        }
+#endif
+        if (dtype == 8)
+            linear_weight_only_pairs(xb, ldx, Int8Panels{codes, K, scale}, b, yb, M, N, K, num_threads);
+        else
+            linear_weight_only_pairs(xb, ldx, int4, b, yb, M, N, K, num_threads);
+        return 0;
+#else
+        return -1;
+#endif
+    }
     if (dtype == 6 || dtype == 7) {
 #if defined(ITERSERVE_LINEAR_WEIGHT_ONLY)
         if (dtype == 7 && K % kInt4Group) return -1;

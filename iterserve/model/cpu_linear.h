@@ -13,6 +13,10 @@ namespace {
 
 constexpr int kPanel = 32;           // outputs per panel: two AVX-512 vectors, or four AVX2 ones
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the weight stream
+// The weight-only int4 panels (cpu_linear_weight_only.h describes them; AVX2 and AMX read the same): groups of
+// kInt4Group inputs, each its codes (half a byte) and its kPanel bf16 scales and minimums.
+constexpr int kInt4Group = 32;
+constexpr int64_t kInt4GroupBytes = kInt4Group * kPanel / 2 + 2 * kPanel * 2;
 
 // From how many tiles of rows on a panel of W is widened to float32 once (widen_panel) rather than each
 // weight for each tile; 0: never.

@@ -85,15 +85,19 @@ void amx_block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K,
     }
 }
 
-// c's first `rows` rows (+ bias) rounded to bfloat16 into y's rows, the panel's `valid` first columns.
-void store_block(const float* c, int rows, uint16_t* y, int64_t ldy, int valid, const uint16_t* bias) {
+// c's first `rows` rows (times each column's scale, where given; + bias) rounded to bfloat16 into y's rows,
+// the panel's `valid` first columns.
+void store_block(const float* c, int rows, uint16_t* y, int64_t ldy, int valid, const uint16_t* bias,
+                 const float* scale = nullptr) {
     const __mmask16 lo = valid >= 16 ? 0xffff : __mmask16((1u << valid) - 1);
     const __mmask16 hi = valid >= 32 ? 0xffff : valid <= 16 ? 0 : __mmask16((1u << (valid - 16)) - 1);
     const __m512 b0 = bias ? load_masked(bias, lo) : _mm512_setzero_ps();
     const __m512 b1 = bias ? load_masked(bias + 16, hi) : _mm512_setzero_ps();
+    const __m512 s0 = scale ? _mm512_maskz_loadu_ps(lo, scale) : _mm512_set1_ps(1.0f);
+    const __m512 s1 = scale ? _mm512_maskz_loadu_ps(hi, scale + 16) : _mm512_set1_ps(1.0f);
     for (int r = 0; r < rows; ++r) {
-        store_masked(y + r * ldy, lo, _mm512_add_ps(_mm512_loadu_ps(c + r * kPanel), b0));
-        store_masked(y + r * ldy + 16, hi, _mm512_add_ps(_mm512_loadu_ps(c + r * kPanel + 16), b1));
+        store_masked(y + r * ldy, lo, _mm512_fmadd_ps(_mm512_loadu_ps(c + r * kPanel), s0, b0));
+        store_masked(y + r * ldy + 16, hi, _mm512_fmadd_ps(_mm512_loadu_ps(c + r * kPanel + 16), s1, b1));
     }
 }
 

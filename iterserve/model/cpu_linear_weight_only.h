@@ -162,8 +162,6 @@ void linear_int8_weights(const float* x, int64_t ldx, const int8_t* panels, cons
 // and interleaved (unpack) into the 16-bit pairs vpmaddwd takes; a group's int32 sums s (|s| <= 32 x 15
 // x 32767) then go into float32 ones: y = x_scale * sum_g (scale_g * s_g + minimum_g * (x's codes summed
 // over g)) + bias.
-constexpr int kInt4Group = 32;
-constexpr int64_t kInt4GroupBytes = kInt4Group * kPanel / 2 + 2 * kPanel * 2;
 
 // 16 columns' codes at one pair of k (16 bytes) -> the 16-bit pairs of columns 0-7 and of 8-15.
 inline void int4_pairs(const uint8_t* bytes, __m256i& w0, __m256i& w1) {

@@ -15,7 +15,8 @@ import torch
 from iterserve.heap import advise_huge_pages
 from iterserve.model import cpu_kernels, cpu_packing
 from iterserve.model.cache_entry import entry_dir
-from iterserve.model.quant import Weight, from_stored, panel_layout, stored_tensors, weight_only_on_panels
+from iterserve.model.quant import (Weight, from_stored, panel_layout, stored_tensors, weight_only_bf16,
+                                   weight_only_on_panels)
 
 logger = logging.getLogger("iterserve.model")
 
@@ -111,7 +112,7 @@ def panel_cache(path: str, dtype: torch.dtype, device: torch.device, mixed: bool
     if device.type == "cpu" and quantization == "w8a8":
         layout = "w8a8" if cpu_kernels.linear_int8_supported() else None
     elif device.type == "cpu" and quantization in ("int8", "int4"):  # the panels, or torch's layouts (stored_tensors)
-        layout = quantization if weight_only_on_panels(quantization) else \
+        layout = quantization if weight_only_on_panels(quantization) or weight_only_bf16(dtype) else \
             {"int8": "int8-rows", "int4": "int4-tiles"}[quantization]
     elif device.type == "cpu" and quantization is None:
         layout = "plain" if mixed and cpu_kernels.linear_kernel() is not None else panel_layout(dtype)

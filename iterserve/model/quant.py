@@ -11,7 +11,11 @@ On AVX2 without AVX-512, where those kernels are many times slower than bf16 sto
 go into cpu_linear.cpp's panels instead, summed in integers against 16-bit codes of the activations
 (vpmaddwd: twice a float32 FMA's multiply-adds, so int8 is faster than bf16 storage at a large batch
 too; int4's codes are unpacked into 16-bit pairs first). Torch's kernels are slower than a bf16 matmul
-once the batch is large (measured: ~2x at B=64), where the step is compute-bound.
+once the batch is large (measured: ~2x at B=64), where the step is compute-bound. With AVX-512 BF16
+(cpu_paths: weight_only_bf16) bfloat16 arithmetic takes the same panels: each panel's codes are unpacked into
+bf16 pairs once a call, however many rows share it, for the AMX tiles (or vdpbf16ps on Zen 4), so a prompt
+runs at about the bf16 linear's speed from a quarter of its bytes, and a decode step reads the codes once
+(benchmarks/int4_linear.py).
 
 Where the weights come from: from a quantized GGUF, its own codes, tensor by tensor (gguf_quant.py:
 Int4Codes, Int8Codes; no float copy of the model): a Q4_0/Q4_1/Q4_K block is w = q * scale + low with q
@@ -61,15 +65,16 @@ class Int8Weight:
     qweight: torch.Tensor  # [N, K] int8, or with `panels` cpu_packing.pack_int8_weight_panels' (scales inside)
     scales: torch.Tensor  # [N]: compute dtype for torch's kernel, float32 beside the panels (a copy is inside)
     shape: torch.Size  # [N, K], as the float weight's
-    panels: bool = False  # whether qweight is the C++ kernel's panels (AVX2), else torch's [N, K] layout
+    panels: bool = False  # whether qweight is the C++ kernel's panels (AVX2 or bf16), else torch's [N, K] layout
 
     @property
     def nbytes(self) -> int:
         return self.qweight.nbytes + (0 if self.panels else self.scales.nbytes)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.panels:  # float32 in and out, int32 sums inside (cpu_kernels.linear_int8_weights)
-            return cpu_kernels.linear_int8_weights(x.float(), self.qweight, *self.shape, _float(bias)).to(x.dtype)
+        if self.panels:  # in and out in the kernel's dtype (weight_only_dtype)
+            dtype = weight_only_dtype()
+            return cpu_kernels.linear_int8_weights(x.to(dtype), self.qweight, *self.shape, _as(bias, dtype)).to(x.dtype)
         return _plus(torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales), bias)
 
 
@@ -84,8 +89,9 @@ class Int4Weight:
         return self.packed.nbytes + (self.scales_zeros.nbytes if self.scales_zeros is not None else 0)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.scales_zeros is None:  # the C++ kernel's panels: float32 in and out, int32 sums inside
-            return cpu_kernels.linear_int4_weights(x.float(), self.packed, *self.shape, _float(bias)).to(x.dtype)
+        if self.scales_zeros is None:  # the C++ kernel's panels, in and out in its dtype (weight_only_dtype)
+            dtype = weight_only_dtype()
+            return cpu_kernels.linear_int4_weights(x.to(dtype), self.packed, *self.shape, _as(bias, dtype)).to(x.dtype)
         return _plus(torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP,
                                                                 self.scales_zeros), bias)
 
@@ -162,8 +168,8 @@ def cat_codes(parts: list[torch.Tensor | Codes]) -> torch.Tensor | Codes:
                       Int8Codes(*cpu_packing.int8_codes(p)) for p in parts])
 
 
-def _float(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return bias.float().contiguous() if bias is not None else None
+def _as(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return bias.to(dtype).contiguous() if bias is not None else None
 
 
 def _plus(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -214,15 +220,28 @@ def weight_only_on_panels(mode: str | None) -> bool:
     return mode in ("int8", "int4") and cpu_kernels.linear_weight_only_supported()
 
 
+def weight_only_bf16(dtype: torch.dtype) -> bool:
+    """Whether weight-only int8/int4 weights under `dtype` arithmetic go into cpu_linear.cpp's panels unpacked to
+    bf16 (AMX tiles, or vdpbf16ps): bfloat16, where cpu_paths says this build takes them."""
+    return dtype == torch.bfloat16 and cpu_paths.current().weight_only_bf16
+
+
+def weight_only_dtype() -> torch.dtype:
+    """The activations' dtype of this build's weight-only panels: float32 where they are the AVX2 kernels',
+    else bfloat16 (AVX-512 BF16; a build has at most one of them)."""
+    return torch.float32 if cpu_kernels.linear_weight_only_supported() else torch.bfloat16
+
+
 def kernel_panels(w: Weight, x_dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
     """The panels and dtype code with which cpu_linear.cpp's iterserve_linear runs w under activations of
-    x_dtype (cpu_kernels.linear_code; the weight-only panels take float32), or None where it does not."""
+    x_dtype (cpu_kernels.linear_code; the weight-only panels take weight_only_dtype()), or None where it does not."""
     tensor, kind = panel_tensor(w) or (None, None)
     if kind == "panels":
         return tensor, cpu_kernels.linear_code(x_dtype, tensor)
-    if kind is None or x_dtype != torch.float32:
+    if kind is None or x_dtype != weight_only_dtype():
         return None
-    return tensor, cpu_kernels.INT8_WEIGHTS if kind == "int8" else cpu_kernels.INT4_WEIGHTS
+    return tensor, cpu_kernels.weight_only_code(cpu_kernels.INT8_WEIGHTS if kind == "int8" else
+                                                cpu_kernels.INT4_WEIGHTS, x_dtype)
 
 
 def panel_tensor(w: Weight) -> tuple[torch.Tensor, str] | None:
@@ -280,8 +299,10 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
 
 
 def int8_weight(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Int8Weight:
-    """The Int8Weight of codes q [N, K] int8 and float32 row scales [N]; dtype: the arithmetic's (torch's kernel)."""
-    if device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
+    """The Int8Weight of codes q [N, K] int8 and float32 row scales [N]; dtype: the arithmetic's (torch's kernel;
+    the bf16 unpacking takes bfloat16 and K a multiple of 32)."""
+    if device.type == "cpu" and (cpu_kernels.linear_weight_only_supported() or
+                                 (weight_only_bf16(dtype) and q.shape[1] % 32 == 0)):
         return Int8Weight(cpu_packing.pack_int8_weight_panels(q, scales), scales, q.shape, panels=True)
     return Int8Weight(q.contiguous(), scales.to(dtype), q.shape)
 
@@ -303,8 +324,8 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
 def int4_weight(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype,
                 device: torch.device) -> Int4Weight:
     """The Int4Weight of codes q [N, K] in [0, 15] and per-group float32 scale and minimum [N, K / INT4_GROUP]
-    (w = q * scale + lo); dtype: the arithmetic's, in which torch's kernel takes them."""
-    if device.type == "cpu" and cpu_kernels.linear_weight_only_supported():
+    (w = q * scale + lo); dtype: the arithmetic's, in which torch's kernel takes them (bf16 unpacking: bfloat16)."""
+    if device.type == "cpu" and (cpu_kernels.linear_weight_only_supported() or weight_only_bf16(dtype)):
         return Int4Weight(cpu_packing.pack_int4_weight_panels(q, scale, lo), None, q.shape)
     zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
     scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)

@@ -38,9 +38,13 @@ W8A8 = pytest.param("bfloat16", "auto", "w8a8", marks=needs_int8)
 needs_weight_only = pytest.mark.skipif(not cpu_kernels.linear_weight_only_supported(),
                                        reason="weight-only int8/int4 run on torch's kernels in an AVX-512 build "
                                        "(test_cpu_paths runs these under ITERSERVE_CPU_ISA=avx2)")
+needs_weight_only_bf16 = pytest.mark.skipif(not cpu_paths.current().weight_only_bf16,
+                                           reason="cpu_paths: no weight-only panels unpacked to bf16 here")
 WEIGHT_ONLY = [pytest.param(dtype, kv, mode, marks=needs_weight_only)
                for dtype, kv, mode in [("float32", "auto", "int8"), ("float32", "auto", "int4"),
                                        ("bf16-storage", "bfloat16", "int4"), ("bf16-storage", "int8", "int8")]]
+WEIGHT_ONLY += [pytest.param("bfloat16", kv, mode, marks=needs_weight_only_bf16)
+                for kv, mode in [("auto", "int8"), ("auto", "int4"), ("int8", "int4")]]
 
 
 @needs_kernels
@@ -106,12 +110,43 @@ def test_layers_it_does_not_implement_keep_the_python_loop(tmp_path, family):
 @needs_kernels
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_weight_only_layers_on_torchs_kernels_keep_the_python_loop(tmp_path, monkeypatch, mode):
-    """Weight-only int8/int4 in torch's layouts (AVX-512 builds), or under bfloat16 arithmetic (the panels
-    take float32): DecodeLayers.build declines."""
+    """Weight-only int8/int4 in torch's layouts (a build with neither the AVX2 nor the bf16 panels), or under
+    the arithmetic the panels do not take (float32 on AVX-512 BF16, whose panels take bfloat16): DecodeLayers.build
+    declines."""
     build_checkpoint(tmp_path, "llama")
-    assert model_of(tmp_path, "bfloat16", mode).decode_layers is None
+    if cpu_paths.current().weight_only_bf16:
+        assert model_of(tmp_path, "float32", mode).decode_layers is None
     monkeypatch.setattr(cpu_kernels, "linear_weight_only_supported", lambda flags=(): False)
-    assert model_of(tmp_path, "float32", mode).decode_layers is None
+    monkeypatch.setattr(cpu_kernels, "linear_weight_only_bf16_supported", lambda flags=(): False)
+    for dtype in ("bfloat16", "float32"):
+        assert model_of(tmp_path, dtype, mode).decode_layers is None
+
+
+@needs_kernels
+@needs_weight_only_bf16
+def test_linears_of_different_kinds_run_in_one_c_loop(tmp_path):
+    """A Q4_K_M file's layers: int4 linears beside per-row int8 ones (its Q6_K tensors), each with its own code in
+    the C loop: the Python loop's logits and cache, bit for bit."""
+    from iterserve.model.quant import Int4Weight, Int8Weight, quantize
+    build_checkpoint(tmp_path, "llama")
+    model = model_of(tmp_path, "bfloat16", "int4")
+    floats = load_weights(str(tmp_path), model.cfg, torch.bfloat16)
+    model.layers[0].down = quantize(floats["model.layers.0.mlp.down_proj.weight"], "int8", torch.bfloat16)
+    model.decode_layers = cpu_decode.DecodeLayers.build(model)
+    assert isinstance(model.layers[0].down, Int8Weight) and isinstance(model.layers[1].down, Int4Weight)
+    assert model.decode_layers is not None
+    cache = empty_cache(model, "auto")
+    with torch.inference_mode():
+        model.forward(torch.arange(3, 3 + sum(PROMPTS)), torch.cat([torch.arange(n) for n in PROMPTS]), cache,
+                      metadata(PROMPTS, PROMPTS, TABLES), torch.arange(len(PROMPTS)))
+        lens = [n + 1 for n in PROMPTS]
+        ids, positions, md = torch.tensor([7, 8, 9]), torch.tensor([n - 1 for n in lens]), metadata([1] * 3, lens, TABLES)
+        before = cache.clone()
+        got = model.forward(ids, positions, cache, md, torch.arange(3))
+        got_cache, cache = cache, before
+        model.decode_layers = None
+        want = model.forward(ids, positions, cache, md, torch.arange(3))
+    assert torch.equal(got, want) and torch.equal(got_cache, cache)
 
 
 @needs_kernels

@@ -404,3 +404,162 @@ def test_weight_only_panels_are_declined_by_a_build_without_them():
     for flags in declining:
         with pytest.raises(ValueError, match="weight-only int4"):
             cpu_kernels.linear_int4_weights(torch.randn(2, 64), panels, 40, 64, kernel=cpu_kernels.linear_kernel(flags))
+
+
+NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+# this build (AMX tiles here where cpu_paths says so) and one without AMX (vdpbf16ps, as on Zen 4)
+BF16_BUILDS = pytest.mark.parametrize("flags", [(), NO_AMX], ids=["native", "no-amx"])
+ROWS = [0, 1, 3, 16, 17, 33, 100]  # none; one block of 16 or 32 rows (the panel a depth at a time); more
+DEPTHS = [(70, 64), (100, 4064)]  # a last partial panel; 4064 inputs: a last partial depth
+
+
+def bf16_unpacking(flags: tuple[str, ...]):
+    """The kernel of the build with these flags, which unpacks the weight-only panels to bf16 pairs; skips where
+    it does not (this build: as cpu_paths says)."""
+    takes = cpu_paths.current().weight_only_bf16 if not flags else cpu_kernels.linear_weight_only_bf16_supported(flags)
+    if not takes:
+        pytest.skip("no weight-only panels unpacked to bf16 in this build (AVX-512 BF16 only)")
+    return cpu_kernels.linear_kernel(flags)
+
+
+def int4_case(n: int, k: int, exact: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(panels, the weight q * scale + minimum in float32, each weight's scale) of random codes, bf16 scales and
+    minimums; exact: each minimum -8 scales (Q4_0's), which the kernel unpacks with one rounding, as the float32
+    weight's."""
+    torch.manual_seed(seed)
+    groups = k // cpu_packing.INT4_GROUP
+    q = torch.randint(0, 16, (n, k))
+    scales = (torch.rand(n, groups) * 0.02 + 1e-3).bfloat16().float()
+    minimums = -8 * scales if exact else (torch.randn(n, groups) * 0.05).bfloat16().float()
+    w = (q.view(n, groups, -1) * scales[..., None] + minimums[..., None]).view(n, k)
+    return cpu_packing.pack_int4_weight_panels(q, scales, minimums), w, scales.repeat_interleave(32, 1)
+
+
+def read_back(linear, panels, n: int, k: int, kernel) -> torch.Tensor:
+    """The bf16 weight [n, k] a weight-only kernel multiplies by: x = I reads it back exactly."""
+    return linear(torch.eye(k, dtype=torch.bfloat16), panels, n, k, kernel=kernel).t()
+
+
+@BF16_BUILDS
+@pytest.mark.parametrize("exact", [True, False])
+def test_int4_panels_unpack_to_the_weights_in_bf16(exact, flags):
+    """Each weight q * scale + minimum rounded to bf16 once; with any minimum, off by at most scale / 2^9 before
+    that rounding (cpu_linear_weight_only_amx.h)."""
+    kernel = bf16_unpacking(flags)
+    panels, w, scale = int4_case(70, 128, exact, seed=1)
+    got = read_back(cpu_kernels.linear_int4_weights, panels, 70, 128, kernel).float()
+    if exact:
+        assert torch.equal(got, w.bfloat16().float())
+    else:
+        assert ((got - w).abs() <= 2 ** -8 * w.abs() + scale * 2 ** -9).all()
+        assert (got != w.bfloat16().float()).float().mean() < 0.05
+
+
+@BF16_BUILDS
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", DEPTHS)
+def test_int4_panels_are_the_bf16_pairs_linear_over_their_weights(m, n, k, flags):
+    """Bit for bit the bf16 pairs panels' linear of the same build (AMX tiles, or vdpbf16ps) over the unpacked
+    weight, bias or none, rows read in place with a stride; and within bf16's rounding of the float32 product."""
+    kernel = bf16_unpacking(flags)
+    panels, w, _ = int4_case(n, k, exact=True, seed=m + n + k)
+    pairs = cpu_packing.pack_panels(w.bfloat16(), pairs=True)
+    x = torch.randn(m, 2, k).bfloat16()[:, 1]
+    for bias in (None, torch.randn(n).bfloat16()):
+        got = cpu_kernels.linear_int4_weights(x, panels, n, k, bias, kernel=kernel)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        assert torch.equal(got, cpu_kernels.linear(x, pairs, n, bias, kernel=kernel))
+        want = F.linear(x.float(), w.bfloat16().float(), None if bias is None else bias.float())
+        torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=2 ** -7)
+
+
+@BF16_BUILDS
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", DEPTHS)
+def test_int8_panels_unpacked_to_bf16_compute_codes_times_scales(m, n, k, flags):
+    """The codes in bf16 exactly, the row scale applied to the float32 sums (AMX; vdpbf16ps: to the codes): within
+    bf16's rounding of x (codes * scales)^T (+ bias) in float32, and x = I reads back the weights rounded once."""
+    kernel = bf16_unpacking(flags)
+    torch.manual_seed(3 * m + n + k)
+    q, scales = cpu_packing.int8_codes(torch.randn(n, k))
+    panels = cpu_packing.pack_int8_weight_panels(q, scales)
+    w = q.float() * scales[:, None]
+    on_tiles = not flags and cpu_paths.current().amx_tiles
+    x = torch.randn(m, 2, k).bfloat16()[:, 1]
+    for bias in (None, torch.randn(n).bfloat16()):
+        got = cpu_kernels.linear_int8_weights(x, panels, n, k, bias, kernel=kernel)
+        want = F.linear(x.float(), w if on_tiles else w.bfloat16().float(), None if bias is None else bias.float())
+        torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=2 ** -7)
+    if k <= 64:
+        assert torch.equal(read_back(cpu_kernels.linear_int8_weights, panels, n, k, kernel), w.bfloat16())
+
+
+@BF16_BUILDS
+def test_a_rows_result_on_weight_only_panels_does_not_depend_on_the_rows_beside_it(flags):
+    """Alone (on AMX the panel a depth at a time), in 16, in 33 and 100 (the whole panel, then block by block):
+    the same bits, as the bf16 pairs linear gives (a speculative verify step and a decode step must agree)."""
+    kernel = bf16_unpacking(flags)
+    panels4 = int4_case(96, 4064, exact=False, seed=2)[0]
+    q, scales = cpu_packing.int8_codes(torch.randn(96, 4064))
+    panels8 = cpu_packing.pack_int8_weight_panels(q, scales)
+    x = torch.randn(100, 4064).bfloat16()
+    for linear, panels in ((cpu_kernels.linear_int4_weights, panels4), (cpu_kernels.linear_int8_weights, panels8)):
+        alone = torch.cat([linear(x[i:i + 1], panels, 96, 4064, kernel=kernel) for i in range(100)])
+        for m in (16, 33, 100):
+            assert torch.equal(linear(x[:m], panels, 96, 4064, kernel=kernel), alone[:m])
+
+
+@BF16_BUILDS
+def test_weight_only_panels_under_bf16_keep_a_nan_in_its_row(flags):
+    kernel = bf16_unpacking(flags)
+    panels = int4_case(64, 64, exact=True, seed=3)[0]
+    q, scales = cpu_packing.int8_codes(torch.randn(64, 64))
+    x = torch.randn(20, 64).bfloat16()
+    x[5, 9] = float("nan")
+    for linear, p in ((cpu_kernels.linear_int4_weights, panels),
+                      (cpu_kernels.linear_int8_weights, cpu_packing.pack_int8_weight_panels(q, scales))):
+        got = linear(x, p, 64, 64, kernel=kernel)
+        assert got[5].isnan().all() and not got[torch.arange(20) != 5].isnan().any()
+
+
+@needs_kernel
+def test_weight_only_panels_under_bf16_are_declined_by_a_build_without_avx512_bf16():
+    """Codes 8 and 9 (bfloat16 activations) need the pairs layout's build: another refuses them, never misreads."""
+    flags = ("-mno-avx512bf16", *NO_AMX)
+    if cpu_kernels.linear_weight_only_bf16_supported(flags):
+        pytest.fail("a build without AVX-512 BF16 says it unpacks the weight-only panels to bf16")
+    panels = int4_case(40, 64, exact=True, seed=4)[0]
+    with pytest.raises(ValueError, match="weight-only int4"):
+        cpu_kernels.linear_int4_weights(torch.randn(2, 64).bfloat16(), panels, 40, 64,
+                                        kernel=cpu_kernels.linear_kernel(flags))
+    q, scales = cpu_packing.int8_codes(torch.randn(40, 64))
+    with pytest.raises(ValueError, match="weight-only int8"):
+        cpu_kernels.linear_int8_weights(torch.randn(2, 64).bfloat16(), cpu_packing.pack_int8_weight_panels(q, scales),
+                                        40, 64, kernel=cpu_kernels.linear_kernel(flags))
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_weight_only_weights_take_the_bf16_panels_where_cpu_paths_says(mode):
+    """quant.quantize under bfloat16: the kernel's panels where cpu_paths.weight_only_bf16, torch's layouts
+    elsewhere (and under float32 arithmetic, or int8 of K not a multiple of 32); the same linear either way."""
+    from iterserve.model import quant
+    torch.manual_seed(6)
+    w = torch.randn(80, 128).bfloat16()  # torch's int4 layout takes outputs in 16s
+    x = torch.randn(5, 128).bfloat16()
+    served = quant.quantize(w, mode, torch.bfloat16)
+    assert (quant.panel_tensor(served) is not None) == (cpu_paths.current().weight_only_bf16 or
+                                                        cpu_kernels.linear_weight_only_supported())
+    if cpu_paths.current().weight_only_bf16:
+        assert quant.kernel_panels(served, torch.bfloat16)[1] == 8 + (mode == "int4")
+        assert quant.panel_tensor(quant.quantize(w.float(), mode, torch.float32)) is None
+        assert quant.panel_tensor(quant.quantize(torch.randn(40, 100).bfloat16(), "int8", torch.bfloat16)) is None
+    if mode == "int8":
+        q, scales = cpu_packing.int8_codes(w)
+        grid = q.float() * scales[:, None]
+    else:  # quantize_int4's min/max grid, its scale and minimum in bf16 as both layouts hold them
+        wf = w.float().view(80, 4, 32)
+        lo, scale = wf.amin(dim=-1), ((wf.amax(dim=-1) - wf.amin(dim=-1)) / 15).clamp(min=1e-10)
+        q = torch.round((wf - lo[..., None]) / scale[..., None]).clamp(0, 15)
+        grid = (q * scale.bfloat16().float()[..., None] + lo.bfloat16().float()[..., None]).view(80, 128)
+    torch.testing.assert_close(linear(x, served).float(), F.linear(x.float(), grid), atol=0.15, rtol=2 ** -6)

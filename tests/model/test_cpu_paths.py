@@ -45,11 +45,24 @@ def test_what_the_build_lacks_the_cpu_does_not_get():
     assert bare.default_dtype == "bfloat16" and bare.bf16_layout is None and not bare.w8a8
 
 
+def test_weight_only_panels_unpack_to_bf16_where_the_pairs_build():
+    """Weight-only int8/int4 unpack into the pairs panels' layout, for the AMX tiles or vdpbf16ps (Zen 4): a
+    build that takes them gives them only with the pairs layout, and summary() says so."""
+    for amx in (True, False):
+        on = cpu_paths.decide(SAPPHIRE_RAPIDS if amx else ZEN4, **{**ALL, "amx": amx}, weight_only_bf16=True)
+        assert on.weight_only_bf16 and "int8/int4 panels unpacked to bf16" in on.summary()
+    for caps in ({"pairs": False}, {"kernels": False}):
+        assert not cpu_paths.decide(SAPPHIRE_RAPIDS, **{**ALL, **caps}, weight_only_bf16=True).weight_only_bf16
+
+
 def test_this_machine_runs_what_cpu_paths_says():
     paths = cpu_paths.current()
     assert paths == cpu_paths.decide(cpu_build.cpu_flags(), kernels=paths.kernels, pairs=paths.bf16_layout == "pairs",
-                                     amx=paths.amx_tiles, w8a8=paths.w8a8, weight_only=paths.weight_only_panels)
+                                     amx=paths.amx_tiles, w8a8=paths.w8a8, weight_only=paths.weight_only_panels,
+                                     weight_only_bf16=paths.weight_only_bf16)
     assert paths.kernels == (cpu_kernels.linear_kernel() is not None)
+    assert paths.weight_only_bf16 == (paths.kernels and cpu_kernels.linear_pairs_supported() and
+                                      cpu_kernels.linear_weight_only_bf16_supported())
     if paths.isa in ("avx512", "avx512_bf16", "amx") and paths.kernels:
         assert cpu_kernels.linear_int8_supported() == paths.w8a8
     from iterserve.executor.dtypes import pick_dtype  # --dtype auto follows it
@@ -108,7 +121,8 @@ def test_a_wider_cpu_runs_the_avx2_paths_under_a_cap():
                            timeout=120, check=True, env=env).stdout
     paths = json.loads(probe)["paths"]
     assert (paths["isa"], paths["weight_only_panels"], paths["amx_tiles"]) == ("avx2", True, False)
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "auto-int8 or int8-int8 or int4",
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",  # not the bf16 panels' cases
+                          "(auto-int8 or int8-int8 or int4) and not bfloat16-auto and not bfloat16-int8-int4",
                           "tests/model/test_cpu_decode.py::test_decode_steps_in_c_give_the_python_loops_logits_and_cache"],
                          capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[2])
     assert run.returncode == 0, run.stdout[-3000:]

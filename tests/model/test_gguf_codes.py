@@ -11,9 +11,12 @@ from gguf.quants import dequantize, quantize
 
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model import cache_entry, gguf_quant, loader, weight_cache
+from iterserve.engine import Engine
+from iterserve.model import cache_entry, cpu_kernels, cpu_paths, gguf_quant, loader, weight_cache
 from iterserve.model.quant import Int4Weight, Int8Codes, Int8Weight, linear
 from iterserve.model.quant import quantize as serve
+from iterserve.sampling_params import SamplingParams
+from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.model.test_loader import write_tiny_gguf
 from tests.model.test_weight_cache import entries, prompt_logits
 
@@ -102,7 +105,7 @@ def q4_k_m(tmp_path, monkeypatch) -> str:
 
 
 def runner(path: str, **kwargs) -> ModelRunner:
-    return ModelRunner(EngineConfig(model=path, num_kv_blocks=4, block_size=16, num_threads=1, **kwargs))
+    return ModelRunner(EngineConfig(**{"model": path, "num_kv_blocks": 4, "block_size": 16, "num_threads": 1, **kwargs}))
 
 
 def test_auto_serves_a_q4_k_m_file_in_int4_from_its_codes(q4_k_m):
@@ -120,6 +123,50 @@ def test_auto_serves_a_q4_k_m_file_in_int4_from_its_codes(q4_k_m):
     got, want = prompt_logits(native).float(), prompt_logits(floats).float()
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+
+
+def greedy_tokens(runner: ModelRunner) -> list[list[int]]:
+    """12 greedy tokens for each of three prompts, batched: prompt steps, then decode steps (the C loop where
+    it runs)."""
+    engine = Engine(runner.config, runner)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    done = {}
+    while engine.has_unfinished():
+        done.update((out.request_id, out.token_ids) for out in engine.step() if out.finished)
+    return [done[i] for i in ids]
+
+
+@pytest.mark.skipif(not cpu_paths.current().weight_only_bf16, reason="cpu_paths: no weight-only panels unpacked to bf16")
+def test_bf16_panels_serve_a_q4_k_m_file_as_torchs_kernels_did(q4_k_m, monkeypatch):
+    """With AVX-512 BF16 the file's int4 and int8 codes run on the kernel's panels, decode steps in the C loop;
+    torch's int4/int8 kernels over the same codes (the path before them) give the same greedy tokens, up to
+    near-ties, and logits within the check against floats above."""
+    panels = runner(q4_k_m, num_kv_blocks=16)
+    model = panels.model
+    assert model.layers[0].o.scales_zeros is None and model.layers[0].qkv.panels and model.lm_head.panels
+    assert model.decode_layers is not None
+    monkeypatch.setattr(cpu_kernels, "linear_weight_only_bf16_supported", lambda flags=(): False)
+    torchs = runner(q4_k_m, num_kv_blocks=16)
+    assert torchs.model.layers[0].o.scales_zeros is not None and torchs.model.decode_layers is None
+    got, want = prompt_logits(panels).float(), prompt_logits(torchs).float()
+    tolerance = 0.05 * want.abs().max()
+    assert (got - want).abs().max() <= tolerance
+    for prompt, tokens in zip(PROMPTS, greedy_tokens(panels)):  # torch's greedy choice at each step, up to a near-tie
+        for t in range(len(tokens)):
+            logits = last_logits(torchs, prompt + tokens[:t])
+            assert logits[tokens[t]] >= logits.max() - tolerance
+
+
+def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """The logits after `tokens`, a fresh prompt (at most two blocks)."""
+    plan = SchedulerOutput(block_size=16, scheduled=[
+        ScheduledRequest("r", tokens, 0, [0, 1], True, SamplingParams(temperature=0.0))])
+    with torch.inference_mode():
+        return runner.model.forward(*runner._prepare(plan, None))[0].float()
 
 
 def test_auto_picks_the_files_format_and_floats_when_asked(q4_k_m, tmp_path):

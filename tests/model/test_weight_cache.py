@@ -13,13 +13,12 @@ from gguf import GGMLQuantizationType as Q
 
 from iterserve.config import EngineConfig
 from iterserve.executor.model_runner import ModelRunner
-from iterserve.model import cpu_kernels, cpu_packing, loader, weight_cache
+from iterserve.model import cpu_kernels, cpu_packing, cpu_paths, loader, weight_cache
 from iterserve.model.panel_cache import _map_panels
 from iterserve.model.quant import Int4Weight, Int8Weight, panel_layout, panel_tensor
 from iterserve.sampling_params import SamplingParams
 from iterserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from tests.model.test_cpu_linear import needs_int8
-from tests.model.test_cpu_decode import needs_weight_only
 from tests.model.test_loader import write_tiny_gguf
 
 
@@ -238,10 +237,11 @@ def test_a_warm_w8a8_start_maps_the_int8_panels_a_cold_start_quantized(gguf, cac
     assert torch.equal(prompt_logits(cold), prompt_logits(warm))
 
 
-@needs_weight_only
+@pytest.mark.skipif(not (cpu_kernels.linear_weight_only_supported() or cpu_paths.current().weight_only_bf16),
+                    reason="weight-only int8/int4 run on torch's kernels in this build (AVX-512 without BF16)")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_a_warm_weight_only_start_maps_the_panels_a_cold_start_quantized(gguf, cache, monkeypatch, mode):
-    """Weight-only int8/int4 on the kernel's panels (AVX2): the int4 layers and the int8 LM head are
+    """Weight-only int8/int4 on the kernel's panels (AVX2, or bf16 pairs): the int4 layers and the int8 LM head are
     mapped from the file, their shapes and the logits as the cold start's."""
     monkeypatch.setattr(weight_cache, "load_tokenizer", lambda path: None)
     cold = runner_of(gguf, quantization=mode)
