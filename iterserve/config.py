@@ -110,6 +110,10 @@ class CacheConfig:
         "KV cache storage; auto: the weights' dtype (bfloat16 under --dtype bf16-storage); int8: values quantized per token and kv head, each with a "
         "float32 scale (about 2x the blocks of bfloat16 in the same memory; torch/CPU attention, not Triton)",
         default="auto")
+    populate_kv_cache: bool = _help(
+        "fault in the whole CPU KV pool at start-up: first-touch page faults then cost start-up time, not the first "
+        "requests' steps, and the pool is resident from the start (the offline LLM's default: a batch fills it)",
+        default=False)
     enable_prefix_caching: bool = _help("reuse the KV blocks of shared prompt prefixes", default=True)
     watermark: float = _help("share of KV blocks kept free when admitting a request", default=0.01, ge=0, lt=1)
 

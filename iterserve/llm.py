@@ -13,6 +13,8 @@ Message = dict[str, str]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
+        if "cache_config" not in engine_args:  # a batch fills the pool: fault it in before, not during
+            engine_args.setdefault("populate_kv_cache", True)
         self.engine = Engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 

@@ -8,7 +8,19 @@ import mmap
 
 import torch
 
-from iterserve.heap import advise_huge_pages
+from iterserve.heap import advise_huge_pages, populate
+
+
+def populate_pool(kv: torch.Tensor) -> None:
+    """Fault in every page of a CPU pool now (after pool_on_huge_pages, so they come as huge pages where
+    they can): otherwise a first touch zeroes its page in the middle of the step that writes K/V there,
+    which a huge page in a virtual machine makes dear (docs/performance.md). Nothing changes a byte;
+    where Linux cannot populate, one zero is written per page, which a pool that holds no request's
+    K/V yet can take."""
+    if kv.numel() == 0 or populate(kv.data_ptr(), kv.nbytes):
+        return
+    flat = kv.view(-1)
+    flat[::max(1, 4096 // kv.element_size())].zero_()
 
 
 def block_runs(block_ids) -> list[tuple[int, int, int]]:

@@ -22,7 +22,7 @@ from iterserve.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from iterserve.executor.base import KVCacheSpec, kv_head_width, num_blocks_for
 from iterserve.executor.cuda_graphs import CudaGraphRunner, DecodeInputs
 from iterserve.executor.dtypes import kv_dtype_name, pick_device, pick_dtype, storage_dtype
-from iterserve.executor.kv_pool import gather_blocks, lazy_zeros, pool_on_huge_pages, scatter_blocks
+from iterserve.executor.kv_pool import gather_blocks, lazy_zeros, pool_on_huge_pages, populate_pool, scatter_blocks
 from iterserve.executor.logits_processors import make_adjust
 from iterserve.executor.model_inputs import _hidden_rows, _logits_rows, _num_hidden_rows, prepare_inputs
 from iterserve.executor.request_state import RequestStates
@@ -126,6 +126,8 @@ class ModelRunner:
             self.kv_cache_spec = replace(self.kv_cache_spec, **self._measure_preemption_costs())
         if self.device.type == "cpu":  # after the measurement's few blocks: they stay on small pages
             pool_on_huge_pages(self.kv_cache)
+            if cc.populate_kv_cache:
+                populate_pool(self.kv_cache)
         # Captured last: the graphs hold the KV cache by address, and the pool is sized without them.
         if self.device.type == "cuda" and mc.use_cuda_graphs and self.model.attention.graph_safe:
             self.graphs = CudaGraphRunner(self.model.forward, self.kv_cache, config.scheduler_config.max_num_seqs,

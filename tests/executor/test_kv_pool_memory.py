@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve.executor.kv_pool import lazy_zeros
+from iterserve.executor.kv_pool import lazy_zeros, populate_pool
 
 MiB = 1 << 20
 
@@ -22,6 +22,43 @@ def test_the_pool_is_zeros_that_cost_nothing_until_written():
     kv[0, 0, :64] = 1.0  # 64 blocks of one layer's K: 1 MiB
     assert rss() - before < 24 * MiB
     assert kv[0, 0, :64].min() == 1.0 and kv[1, 1, -1].abs().max() == 0 and kv[0, 1, 100].abs().max() == 0
+
+
+def test_a_populated_pool_is_resident_and_unchanged():
+    """populate_kv_cache: the pages are faulted in at start-up, and not a byte of the pool changes."""
+    kv = lazy_zeros((2, 2, 2048, 16, 4, 64), torch.float32)  # 128 MiB
+    kv[1, 0, 7] = 3.0  # a block written before: populating must keep it
+    before = rss()
+    populate_pool(kv)
+    assert rss() - before > 100 * MiB
+    assert kv[1, 0, 7].min() == 3.0 and kv[1, 0, 7].max() == 3.0
+    kv[1, 0, 7] = 0.0
+    assert kv.abs().max() == 0
+    populate_pool(lazy_zeros((2, 2, 0, 16, 4, 64), torch.bfloat16))  # an empty pool: nothing to do
+
+
+def test_where_linux_cannot_populate_a_zero_per_page_does(monkeypatch):
+    from iterserve.executor import kv_pool
+    monkeypatch.setattr(kv_pool, "populate", lambda address, nbytes: False)
+    kv = lazy_zeros((2, 2, 2048, 16, 4, 64), torch.float32)  # 128 MiB
+    before = rss()
+    populate_pool(kv)
+    assert rss() - before > 100 * MiB and kv.abs().max() == 0
+
+
+def test_the_offline_llm_populates_its_pool_unless_told_otherwise(monkeypatch):
+    from iterserve import llm
+    from iterserve.config import CacheConfig
+    seen = []
+    monkeypatch.setattr(llm, "Engine", lambda config: seen.append(config.cache_config) or _NoTokenizer())
+    llm.LLM(num_kv_blocks=8)
+    llm.LLM(num_kv_blocks=8, populate_kv_cache=False)
+    llm.LLM(cache_config=CacheConfig(num_kv_blocks=8))  # a section given whole keeps its own setting
+    assert [c.populate_kv_cache for c in seen] == [True, False, False]
+
+
+class _NoTokenizer:
+    tokenizer = None
 
 
 def test_an_empty_pool_is_allowed():  # no swap pool with recompute preemption
