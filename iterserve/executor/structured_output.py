@@ -148,7 +148,8 @@ class Matchers:
         self.by_id.pop(request_id, None)
 
     def bitmask(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]] | None:
-        """The allowed tokens of each constrained row (reqs: the sampling rows), or None if none is."""
+        """The allowed tokens of each constrained row (reqs: the sampling rows), or None if none is. A
+        forced row allows all: accept sets its token."""
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.structured_outputs is not None]
         if not rows:
             return None
@@ -156,7 +157,7 @@ class Matchers:
         for i in rows:
             t = self._synced(reqs[i])
             t.forced = self._steered(reqs[i], t)
-            if t.forced is None:  # a forced row stays full: accept sets its token
+            if t.forced is None:
                 t.matcher.fill_next_token_bitmask(mask, i)
         return mask, rows
 
