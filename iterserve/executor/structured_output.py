@@ -21,6 +21,9 @@ Near the end of its max_tokens a request is steered to the shortest completion o
 out mid-value ends parsed with finish_reason "stop"; "length" only when even that did not fit.
 Within _WATCH spare tokens of that completion each sampled token is checked: one that would leave
 too few (a new array item, an object with required keys) is replaced by the completion's next one.
+With no spare token left, the completion's next token is forced: its row's bitmask is left full and
+the sampled token replaced, since xgrammar's CPU kernel pays for each token a row masks out (one
+token allowed of a whole vocabulary, every row, every step) and nothing for a full row.
 """
 from __future__ import annotations
 
@@ -131,6 +134,7 @@ class _Tracked:
     watching: bool = False  # near the end: each sampled token is checked against the tokens left
     plan: list[int] | None = None  # tokens of a shortest completion after num_accepted == plan_at
     plan_at: int = -1
+    forced: int | None = None  # this step's token when no spare token is left; None: sampled
 
 
 class Matchers:
@@ -144,30 +148,31 @@ class Matchers:
         self.by_id.pop(request_id, None)
 
     def bitmask(self, reqs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]] | None:
-        """The allowed tokens of each constrained row (reqs: the sampling rows), or None if none is."""
+        """The allowed tokens of each constrained row (reqs: the sampling rows), or None if none is. A
+        forced row allows all: accept sets its token."""
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.structured_outputs is not None]
         if not rows:
             return None
         mask = xgr.allocate_token_bitmask(len(reqs), self.cache.vocab_size)
         for i in rows:
             t = self._synced(reqs[i])
-            forced = self._steered(reqs[i], t)
-            if forced is None:
+            t.forced = self._steered(reqs[i], t)
+            if t.forced is None:
                 t.matcher.fill_next_token_bitmask(mask, i)
-            else:
-                _allow_only(mask, i, forced)
         return mask, rows
 
     def accept(self, reqs: list[ScheduledRequest], tokens: list[int], rows: list[int]) -> None:
-        """Near the end, replace in `tokens` one that leaves no room. The matchers take the tokens when
-        they join the output (the next plan's deltas)."""
+        """Near the end, set in `tokens` the forced ones and replace one that leaves no room. The
+        matchers take the tokens when they join the output (the next plan's deltas)."""
         for i in rows:
             t = self.by_id[reqs[i].request_id]
+            if t.forced is not None:
+                tokens[i] = t.forced
             if t.watching:
                 tokens[i] = self._checked(reqs[i], t, tokens[i])
 
-    def _steered(self, r: ScheduledRequest, t: _Tracked) -> list[int] | None:
-        """The only tokens allowed once the tokens left just fit the shortest completion and a stop
+    def _steered(self, r: ScheduledRequest, t: _Tracked) -> int | None:
+        """The one token allowed once the tokens left just fit the shortest completion and a stop
         token; None while the model is free. Looked at every _RECHECK steps, or sooner as the
         spare tokens halve: the search runs on few steps, but on every one near the end."""
         left = r.sampling_params.max_tokens - r.output_len
@@ -179,7 +184,7 @@ class Matchers:
         t.check_below = left if t.watching else left - min(_RECHECK, (spare - _WATCH + 1) // 2)
         if spare > 0:
             return None
-        return plan[:1] or self.cache.stop_token_ids
+        return plan[0] if plan else self.cache.stop_token_ids[0]
 
     def _checked(self, r: ScheduledRequest, t: _Tracked, token: int) -> int:
         """`token`, unless the completion after it no longer fits the tokens left after it: then the
@@ -252,13 +257,6 @@ def _in_string(m: xgr.GrammarMatcher) -> bool:
         m.rollback(1)
         return True
     return False
-
-
-def _allow_only(mask: torch.Tensor, row: int, tokens: list[int]) -> None:
-    mask[row] = 0
-    for t in tokens:
-        bit = 1 << (t & 31)
-        mask[row, t >> 5] |= bit - (1 << 32) if bit >> 31 else bit  # int32 words: bit 31 is the sign
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -111,3 +111,24 @@ def test_a_runaway_model_is_steered_to_a_parsed_object(cache, tokenizer, spec, m
         output.append(tokens[0])
     assert output[-1] == tokenizer.eos_token_id, tokenizer.decode(output)
     assert isinstance(json.loads(tokenizer.decode(output[:-1])), dict)
+
+
+def test_a_forced_row_keeps_a_full_mask_and_gets_its_token_in_accept(cache, tokenizer):
+    """No spare token left: the completion's next token is forced, not masked (xgrammar's CPU kernel pays
+    for each masked-out token, nothing for a full row); a free row in the same step is masked as usual."""
+    from iterserve.executor.structured_output import Matchers, shortest_completion
+    m = Matchers(cache)
+    prefix = '{"name": "Paris'
+    output = cache.tokens(prefix)
+    plan = cache.tokens(shortest_completion(matcher(cache, CITY, prefix)))
+    spec = StructuredOutputs(json=json.dumps(CITY))
+    tight = SamplingParams(max_tokens=len(output) + len(plan) + 1, structured_outputs=spec)  # plan + stop
+    roomy = SamplingParams(max_tokens=len(output) + len(plan) + 60, structured_outputs=spec)
+    reqs = [ScheduledRequest(rid, [0], 0, [0], True, p, len(output), output_token_ids=output)
+            for rid, p in (("tight", tight), ("roomy", roomy))]
+    mask, rows = m.bitmask(reqs)
+    assert rows == [0, 1] and bool((mask[0] == -1).all()) and not bool((mask[1] == -1).all())
+    x = tokenizer.convert_tokens_to_ids("x")  # what a sampler drew from the full row
+    tokens = [x, x]
+    m.accept(reqs, tokens, rows)
+    assert tokens == [plan[0], x]
