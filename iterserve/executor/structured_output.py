@@ -23,7 +23,9 @@ Within _WATCH spare tokens of that completion each sampled token is checked: one
 too few (a new array item, an object with required keys) is replaced by the completion's next one.
 With no spare token left, the completion's next token is forced: its row's bitmask is left full and
 the sampled token replaced, since xgrammar's CPU kernel pays for each token a row masks out (one
-token allowed of a whole vocabulary, every row, every step) and nothing for a full row.
+token allowed of a whole vocabulary, every row, every step) and nothing for a full row. Where not
+even the completion fits (a minLength beyond max_tokens), nothing is forced: filler would end in
+"length" all the same, so the model writes on, and the completion is looked at again as it does.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ _MAX_COMPLETION = 512  # characters; a grammar needing more is not steered
 _WATCH = 24  # spare tokens below which each sampled token is checked (one token rarely adds more)
 _RECHECK = 32  # steps between looks at the completion while far from the end
 _TOKEN_BYTES = 16  # longest token tried when tokenizing a completion
+_MAX_CHARS_PER_TOKEN = 8  # a completion the model's own token can shorten by at most ~this many filler tokens
 _RUN = 15  # characters more at a time in a string that cannot close yet: the search's steps, not its length
 
 
@@ -180,6 +183,10 @@ class Matchers:
             return None
         plan = self._plan(t)
         spare = left - (len(plan) + 1) if plan is not None else _WATCH + 2 * _RECHECK
+        if spare < -1:  # not even the completion fits: forcing it would only write filler to the same "length"
+            t.watching = False  # the model stays free, looked at again as soon as its tokens could have made room
+            t.check_below = left - max(1, min(_RECHECK, -spare // _MAX_CHARS_PER_TOKEN))
+            return None
         t.watching = spare <= _WATCH
         t.check_below = left if t.watching else left - min(_RECHECK, (spare - _WATCH + 1) // 2)
         if spare > 0:

@@ -132,3 +132,23 @@ def test_a_forced_row_keeps_a_full_mask_and_gets_its_token_in_accept(cache, toke
     tokens = [x, x]
     m.accept(reqs, tokens, rows)
     assert tokens == [plan[0], x]
+
+
+def test_a_completion_that_cannot_fit_leaves_the_model_free(cache, tokenizer):
+    """A completion longer than the tokens left: forcing it would write filler to the same "length", so
+    the row is masked by the grammar alone and its sampled token kept; with room again it is steered."""
+    from iterserve.executor.structured_output import Matchers, shortest_completion
+    prefix = '{"name": "Paris'
+    output = cache.tokens(prefix)
+    plan = cache.tokens(shortest_completion(matcher(cache, CITY, prefix)))
+    spec = StructuredOutputs(json=json.dumps(CITY))
+    for extra, forced in ((-2, False), (-1, False), (0, True), (1, True)):  # max_tokens - output - plan
+        m = Matchers(cache)
+        params = SamplingParams(max_tokens=len(output) + len(plan) + extra, structured_outputs=spec)
+        reqs = [ScheduledRequest("r", [0], 0, [0], True, params, len(output), output_token_ids=output)]
+        mask, rows = m.bitmask(reqs)
+        assert bool((mask[0] == -1).all()) == forced, extra
+        x = tokenizer.convert_tokens_to_ids("x")  # allowed inside the open string
+        tokens = [x]
+        m.accept(reqs, tokens, rows)
+        assert tokens == ([plan[0]] if forced else [x]), extra
