@@ -36,8 +36,8 @@ def empty_cache(model: LlamaModel, kv: str) -> torch.Tensor:
 
 W8A8 = pytest.param("bfloat16", "auto", "w8a8", marks=needs_int8)
 needs_weight_only = pytest.mark.skipif(not cpu_kernels.linear_weight_only_supported(),
-                                       reason="weight-only int8/int4 run on torch's kernels in an AVX-512 build "
-                                       "(test_cpu_paths runs these under ITERSERVE_CPU_ISA=avx2)")
+                                       reason="weight-only int8/int4 under float32 arithmetic run on torch's kernels "
+                                       "in an AVX-512 build (test_cpu_paths runs these under ITERSERVE_CPU_ISA=avx2)")
 needs_weight_only_bf16 = pytest.mark.skipif(not cpu_paths.current().weight_only_bf16,
                                            reason="cpu_paths: no weight-only panels unpacked to bf16 here")
 WEIGHT_ONLY = [pytest.param(dtype, kv, mode, marks=needs_weight_only)
