@@ -104,15 +104,21 @@ void store_block(const float* c, int rows, uint16_t* y, int64_t ldy, int valid, 
 // The pairs layout's linear on AMX tiles (K a multiple of 32): each thread takes a run of panels, as
 // linear() does, and goes over x in blocks of 32 rows, then 16; a last partial block of 16 is copied
 // once, zero-padded, so every tile load is a whole tile.
-void linear_amx(const uint16_t* x, int64_t ldx, const uint16_t* panels, const uint16_t* bias, uint16_t* y, int64_t M,
-                int64_t N, int64_t K, int num_threads) {
-    const int64_t num_panels = (N + kPanel - 1) / kPanel, whole = M / 16 * 16, tail = M - whole;
+// x's `tail` rows from row `whole` on, copied into a block of 16 rows of K, zero-padded (K apart), so the last
+// partial block loads as whole tiles; the block is this thread's, kept between calls.
+const uint16_t* padded_tail(const uint16_t* x, int64_t ldx, int64_t whole, int64_t tail, int64_t K) {
     static thread_local std::vector<uint16_t> padded;
     if (tail) {
         padded.assign(size_t(16 * K), 0);
         for (int64_t r = 0; r < tail; ++r) std::memcpy(&padded[size_t(r * K)], x + (whole + r) * ldx, size_t(K) * 2);
     }
-    const uint16_t* tail_x = padded.data();
+    return padded.data();
+}
+
+void linear_amx(const uint16_t* x, int64_t ldx, const uint16_t* panels, const uint16_t* bias, uint16_t* y, int64_t M,
+                int64_t N, int64_t K, int num_threads) {
+    const int64_t num_panels = (N + kPanel - 1) / kPanel, whole = M / 16 * 16, tail = M - whole;
+    const uint16_t* tail_x = padded_tail(x, ldx, whole, tail, K);
 #pragma omp parallel num_threads(num_threads) if (num_panels > 1)
     {
         configure_tiles();

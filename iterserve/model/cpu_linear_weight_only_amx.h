@@ -205,12 +205,7 @@ void linear_weight_only_bf16(const uint16_t* x, int64_t ldx, Dequant dequant, co
                             uint16_t* y, int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t num_panels = (N + kPanel - 1) / kPanel, whole = M / 16 * 16, tail = M - whole;
     if (M == 0) return;  // no rows: no block to load, not even a padded one
-    static thread_local std::vector<uint16_t> padded;
-    if (tail) {
-        padded.assign(size_t(16 * K), 0);
-        for (int64_t r = 0; r < tail; ++r) std::memcpy(&padded[size_t(r * K)], x + (whole + r) * ldx, size_t(K) * 2);
-    }
-    const uint16_t* tail_x = padded.data();
+    const uint16_t* tail_x = padded_tail(x, ldx, whole, tail, K);
 #pragma omp parallel num_threads(num_threads) if (num_panels > 1)
     {
         configure_tiles();
